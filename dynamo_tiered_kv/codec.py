@@ -1,0 +1,260 @@
+"""Self-describing, verified block records (byte format: docs/FORMAT.md).
+
+A record is a header region (fixed fields + one checksum per layer, padded to 4 KiB) followed by
+the canonical payload (padded to 4 KiB), so records can be written and read with O_DIRECT or
+cuFile straight from and into staging slabs, and a layer range is one aligned byte range.
+
+Encoding gathers one layer at a time from the engine into the slab and hashes it while it is
+still in cache; decoding verifies the header, then every layer checksum, and only then
+scatters into the engine. Nothing unverified is ever copied out.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from .errors import (
+    BadMagic,
+    ChecksumMismatch,
+    HeaderCorrupt,
+    KeyMismatch,
+    LayoutMismatch,
+    NamespaceMismatch,
+    RecordTruncated,
+    UnsupportedVersion,
+)
+from .keys import KEY_BYTES
+from .layout import BlockShape, CanonicalFormat, DType, EngineLayout, EngineLayoutKind
+
+MAGIC = b"DTKVBLK\x00"
+FORMAT_VERSION = 1
+ALIGN = 4096
+CHECKSUM_XXH3_64 = 1
+
+# magic, version, flags, header_bytes, namespace, key, parent, canonical, dtype, engine_kind,
+# checksum_algo, num_layers, block_size, kv_heads, head_size, num_tokens, layer_bytes,
+# payload_bytes, record_bytes, reserved
+_FIXED = struct.Struct("<8sHHI16s16s16sBBBBIIIIIQQQ8s")
+_FIXED_BYTES = _FIXED.size  # 120
+_HDR_SUM_OFF = _FIXED_BYTES  # u64 header checksum
+_TABLE_OFF = _HDR_SUM_OFF + 8  # 128: one u64 per layer
+assert _FIXED_BYTES == 120
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def header_bytes(num_layers: int) -> int:
+    return align_up(_TABLE_OFF + 8 * num_layers)
+
+
+def record_bytes(shape: BlockShape) -> int:
+    """Bytes one record of this shape occupies on every medium (a multiple of 4 KiB)."""
+    return header_bytes(shape.num_layers) + align_up(shape.payload_bytes)
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    namespace: bytes
+    key: bytes
+    parent: bytes
+    shape: BlockShape
+    engine_kind: EngineLayoutKind
+    num_tokens: int
+    header_bytes: int
+    record_bytes: int
+    layer_sums: tuple[int, ...]
+
+    @property
+    def payload_offset(self) -> int:
+        return self.header_bytes
+
+    def layer_range(self, first: int, last: int) -> tuple[int, int]:
+        """(offset, length) inside the record of layers [first, last)."""
+        lb = self.shape.layer_bytes
+        return self.header_bytes + first * lb, (last - first) * lb
+
+
+def _as_u8(buf) -> np.ndarray:
+    a = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
+    if a.dtype != np.uint8 or a.ndim != 1:
+        a = a.reshape(-1).view(np.uint8)
+    return a
+
+
+def _write_header(out: np.ndarray, shape: BlockShape, engine_kind: EngineLayoutKind, namespace: bytes,
+                  key: bytes, parent: bytes, sums: Sequence[int]) -> None:
+    if len(namespace) != KEY_BYTES or len(key) != KEY_BYTES or len(parent) != KEY_BYTES:
+        raise ValueError("namespace digest, key and parent must each be 16 bytes")
+    hb = header_bytes(shape.num_layers)
+    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, 0, hb, namespace, key, parent, int(shape.canonical),
+                        int(shape.dtype), int(engine_kind), CHECKSUM_XXH3_64, shape.num_layers,
+                        shape.block_size, shape.num_kv_heads, shape.head_size, shape.block_size,
+                        shape.layer_bytes, shape.payload_bytes, record_bytes(shape), bytes(8))
+    table = np.asarray(sums, dtype="<u8").tobytes()
+    h = xxhash.xxh3_64(fixed)
+    h.update(table)
+    out[:_FIXED_BYTES] = np.frombuffer(fixed, np.uint8)
+    out[_HDR_SUM_OFF:_TABLE_OFF] = np.frombuffer(struct.pack("<Q", h.intdigest()), np.uint8)
+    out[_TABLE_OFF:_TABLE_OFF + len(table)] = np.frombuffer(table, np.uint8)
+    out[_TABLE_OFF + len(table):hb] = 0
+
+
+def encode_block(layout: EngineLayout, block_id: int, namespace: bytes, key: bytes, parent: bytes,
+                 out) -> int:
+    """Gather engine block ``block_id`` into ``out`` as one record. Returns the record length.
+
+    ``out`` is a writable uint8 buffer (a staging slab slice) of at least ``record_bytes``.
+    """
+    return encode_blocks(layout, [block_id], [namespace] * 1, [key], [parent], out)
+
+
+def encode_blocks(layout: EngineLayout, block_ids: Sequence[int], namespaces: Sequence[bytes],
+                  keys: Sequence[bytes], parents: Sequence[bytes], out) -> int:
+    """Encode several blocks back to back into ``out``. Returns the total length written."""
+    shape = layout.shape
+    rb, hb, lb, nl = record_bytes(shape), header_bytes(shape.num_layers), shape.layer_bytes, shape.num_layers
+    dst = _as_u8(out)
+    n = len(block_ids)
+    if not (len(namespaces) == len(keys) == len(parents) == n):
+        raise ValueError("block_ids, namespaces, keys and parents must have the same length")
+    if dst.nbytes < n * rb:
+        raise ValueError(f"output buffer holds {dst.nbytes} bytes, {n} records need {n * rb}")
+    if layout.is_cuda:
+        import torch
+
+        tdst = torch.from_numpy(dst)
+        for i, b in enumerate(block_ids):
+            base = i * rb + hb
+            for layer in range(nl):
+                layout.gather_layer(b, layer, tdst[base + layer * lb: base + (layer + 1) * lb])
+        layout.synchronize()
+        for i in range(n):
+            base = i * rb + hb
+            sums = [xxhash.xxh3_64_intdigest(dst[base + j * lb: base + (j + 1) * lb]) for j in range(nl)]
+            _finish(dst[i * rb:(i + 1) * rb], shape, layout.kind, namespaces[i], keys[i], parents[i], sums)
+        return n * rb
+    for i, b in enumerate(block_ids):
+        rec = dst[i * rb:(i + 1) * rb]
+        sums = []
+        for layer in range(nl):
+            chunk = rec[hb + layer * lb: hb + (layer + 1) * lb]
+            layout.gather_layer(b, layer, chunk)
+            sums.append(xxhash.xxh3_64_intdigest(chunk))  # hashed while still in cache
+        _finish(rec, shape, layout.kind, namespaces[i], keys[i], parents[i], sums)
+    return n * rb
+
+
+def _finish(rec: np.ndarray, shape: BlockShape, kind: EngineLayoutKind, ns: bytes, key: bytes,
+            parent: bytes, sums: Sequence[int]) -> None:
+    hb = header_bytes(shape.num_layers)
+    end = hb + shape.payload_bytes
+    rec[end:record_bytes(shape)] = 0  # deterministic padding
+    _write_header(rec, shape, kind, ns, key, parent, sums)
+
+
+def encode_payload(payload, shape: BlockShape, namespace: bytes, key: bytes, parent: bytes, out,
+                   engine_kind: EngineLayoutKind = EngineLayoutKind.FLASH_ATTN) -> int:
+    """Encode an already-canonical payload (tools, tests, re-encoding). Returns the record length."""
+    src = _as_u8(payload)
+    if src.nbytes != shape.payload_bytes:
+        raise ValueError(f"payload is {src.nbytes} bytes, shape needs {shape.payload_bytes}")
+    rec = _as_u8(out)[: record_bytes(shape)]
+    hb, lb = header_bytes(shape.num_layers), shape.layer_bytes
+    rec[hb:hb + src.nbytes] = src
+    sums = [xxhash.xxh3_64_intdigest(rec[hb + j * lb: hb + (j + 1) * lb]) for j in range(shape.num_layers)]
+    _finish(rec, shape, engine_kind, namespace, key, parent, sums)
+    return rec.nbytes
+
+
+def decode_header(buf) -> RecordHeader:
+    """Parse and verify a record header (magic, version, header checksum, lengths)."""
+    a = _as_u8(buf)
+    if a.nbytes < _TABLE_OFF:
+        raise RecordTruncated(f"{a.nbytes} bytes is shorter than a record header")
+    fixed = a[:_FIXED_BYTES].tobytes()
+    (magic, version, _flags, hb, ns, key, parent, canon, dtype, ekind, algo, nl, bs, heads, hs, ntok,
+     lb, pb, rb, _res) = _FIXED.unpack(fixed)
+    if magic != MAGIC:
+        raise BadMagic(f"bad magic {magic!r}")
+    if version != FORMAT_VERSION:
+        raise UnsupportedVersion(f"record format version {version}, this reader understands {FORMAT_VERSION}")
+    if nl <= 0 or nl > 65536 or hb != header_bytes(nl):
+        raise HeaderCorrupt(f"implausible header (layers={nl}, header_bytes={hb})")
+    if a.nbytes < hb:
+        raise RecordTruncated(f"{a.nbytes} bytes, header needs {hb}")
+    table = a[_TABLE_OFF:_TABLE_OFF + 8 * nl]
+    h = xxhash.xxh3_64(fixed)
+    h.update(table)
+    (stored,) = struct.unpack("<Q", a[_HDR_SUM_OFF:_TABLE_OFF].tobytes())
+    if h.intdigest() != stored or algo != CHECKSUM_XXH3_64:
+        raise HeaderCorrupt("record header checksum mismatch")
+    try:
+        shape = BlockShape(CanonicalFormat(canon), DType(dtype), nl, bs, heads, hs)
+        kind = EngineLayoutKind(ekind)
+    except ValueError as e:
+        raise HeaderCorrupt(f"invalid layout descriptor: {e}") from None
+    if lb != shape.layer_bytes or pb != shape.payload_bytes or rb != record_bytes(shape) or ntok != bs:
+        raise HeaderCorrupt("record lengths disagree with its layout descriptor")
+    return RecordHeader(ns, key, parent, shape, kind, ntok, hb, rb,
+                        tuple(int(x) for x in table.view("<u8")))
+
+
+def verify_record(buf, *, namespace: bytes | None = None, key: bytes | None = None,
+                  shape: BlockShape | None = None, layers: tuple[int, int] | None = None) -> RecordHeader:
+    """Verify a whole record (or only layers [first, last) of it) and its identity.
+
+    Raises a ``RecordError`` subclass on any mismatch; returns the parsed header otherwise.
+    """
+    a = _as_u8(buf)
+    hdr = decode_header(a)
+    if namespace is not None and hdr.namespace != namespace:
+        raise NamespaceMismatch("record belongs to another namespace (model, layout or tenant)")
+    if key is not None and hdr.key != key:
+        raise KeyMismatch(f"record key {hdr.key.hex()} != expected {key.hex()}")
+    if shape is not None and hdr.shape != shape:
+        raise LayoutMismatch(f"record shape {hdr.shape} does not fit engine shape {shape}")
+    first, last = layers or (0, hdr.shape.num_layers)
+    end = hdr.header_bytes + last * hdr.shape.layer_bytes
+    if a.nbytes < end:
+        raise RecordTruncated(f"{a.nbytes} bytes, layers up to {last} need {end}")
+    lb = hdr.shape.layer_bytes
+    for j in range(first, last):
+        off = hdr.header_bytes + j * lb
+        if xxhash.xxh3_64_intdigest(a[off:off + lb]) != hdr.layer_sums[j]:
+            raise ChecksumMismatch(f"layer {j} payload checksum mismatch (key {hdr.key.hex()})")
+    return hdr
+
+
+def decode_block(buf, layout: EngineLayout, block_id: int, *, namespace: bytes, key: bytes) -> RecordHeader:
+    """Verify a record completely, then scatter it into engine block ``block_id``.
+
+    On any error the engine block is left untouched.
+    """
+    a = _as_u8(buf)
+    hdr = verify_record(a, namespace=namespace, key=key, shape=layout.shape)
+    hb, lb = hdr.header_bytes, hdr.shape.layer_bytes
+    if layout.is_cuda:
+        import torch
+
+        t = torch.from_numpy(a)
+        for j in range(hdr.shape.num_layers):
+            layout.scatter_layer(block_id, j, t[hb + j * lb: hb + (j + 1) * lb])
+        layout.synchronize()
+    else:
+        for j in range(hdr.shape.num_layers):
+            layout.scatter_layer(block_id, j, a[hb + j * lb: hb + (j + 1) * lb])
+    return hdr
+
+
+def payload_view(buf, *, namespace: bytes | None = None, key: bytes | None = None) -> np.ndarray:
+    """The verified canonical payload of a record, as a uint8 view (no copy)."""
+    a = _as_u8(buf)
+    hdr = verify_record(a, namespace=namespace, key=key)
+    return a[hdr.header_bytes: hdr.header_bytes + hdr.shape.payload_bytes]

@@ -1,0 +1,238 @@
+"""Engine KV layouts and the canonical per-block layout they map to.
+
+Canonical block (what a stored record's payload holds), layer-major so that a layer range is a
+byte range::
+
+    payload = layer[0] | layer[1] | ... | layer[L-1]
+    KV_SPLIT  layer = K[block_size][kv_heads][head_size] | V[block_size][kv_heads][head_size]
+    MLA       layer = latent[block_size][dim]                      (kv_heads = 1, head_size = dim)
+    VLLM_CPU  layer = the engine's own block bytes [kv_heads][block_size][2*head_size], opaque
+
+Engine layouts (per-layer tensors unless noted) and the canonical format each maps to:
+
+    FLASH_ATTN   [2, num_blocks, block_size, kv_heads, head_size]   -> KV_SPLIT
+    FLASHINFER   [num_blocks, 2, block_size, kv_heads, head_size]   -> KV_SPLIT
+    KVBM_FC      one tensor [num_blocks, layers, 2, block_size, kv_heads*head_size] -> KV_SPLIT
+    MLA          [num_blocks, block_size, dim]                      -> MLA
+    VLLM_CPU     [num_blocks, kv_heads, block_size, 2*head_size]    -> VLLM_CPU (packing is the
+                 CPU attention backend's; stored as-is, restorable only into the same layout)
+
+Blocks written from FlashAttention restore into FlashInfer and KVBM and back, since they share
+the KV_SPLIT canonical format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+import torch
+
+from .errors import LayoutMismatch
+
+
+class CanonicalFormat(IntEnum):
+    KV_SPLIT = 1
+    MLA = 2
+    VLLM_CPU = 3
+
+
+class EngineLayoutKind(IntEnum):
+    FLASH_ATTN = 1
+    FLASHINFER = 2
+    KVBM_FC = 3
+    MLA = 4
+    VLLM_CPU = 5
+
+
+CANONICAL_OF: Mapping[EngineLayoutKind, CanonicalFormat] = {
+    EngineLayoutKind.FLASH_ATTN: CanonicalFormat.KV_SPLIT,
+    EngineLayoutKind.FLASHINFER: CanonicalFormat.KV_SPLIT,
+    EngineLayoutKind.KVBM_FC: CanonicalFormat.KV_SPLIT,
+    EngineLayoutKind.MLA: CanonicalFormat.MLA,
+    EngineLayoutKind.VLLM_CPU: CanonicalFormat.VLLM_CPU,
+}
+
+
+class DType(IntEnum):
+    """On-disk dtype codes (FORMAT.md). fp8 variants are stored as their raw byte."""
+
+    BFLOAT16 = 1
+    FLOAT16 = 2
+    FLOAT32 = 3
+    FP8_E4M3 = 4
+    FP8_E5M2 = 5
+    UINT8 = 6
+    INT8 = 7
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self is DType.FLOAT32 else 2 if self in (DType.BFLOAT16, DType.FLOAT16) else 1
+
+    @classmethod
+    def from_torch(cls, dt: torch.dtype) -> DType:
+        table = {
+            torch.bfloat16: cls.BFLOAT16,
+            torch.float16: cls.FLOAT16,
+            torch.float32: cls.FLOAT32,
+            torch.uint8: cls.UINT8,
+            torch.int8: cls.INT8,
+        }
+        for name, code in (("float8_e4m3fn", cls.FP8_E4M3), ("float8_e5m2", cls.FP8_E5M2)):
+            if hasattr(torch, name):
+                table[getattr(torch, name)] = code
+        try:
+            return table[dt]
+        except KeyError:
+            raise LayoutMismatch(f"unsupported KV dtype {dt}") from None
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """Shape of one canonical block: the layout descriptor stored in every record."""
+
+    canonical: CanonicalFormat
+    dtype: DType
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"BlockShape.{name} must be positive")
+
+    @property
+    def planes(self) -> int:
+        """2 for K and V, 1 for MLA's single latent."""
+        return 1 if self.canonical is CanonicalFormat.MLA else 2
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.planes * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.num_layers * self.layer_bytes
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    """Reinterpret a tensor's last dim as bytes (works for bf16/fp8, which numpy lacks)."""
+    if t.dtype == torch.uint8:
+        return t
+    return t.view(torch.uint8)
+
+
+class EngineLayout:
+    """Binds an engine's KV tensors to a BlockShape and copies blocks between them and records.
+
+    ``gather_layer`` / ``scatter_layer`` move one layer of one block between the engine and a
+    1-D uint8 destination of ``shape.layer_bytes``. On CPU tensors they are numpy copies on
+    prebuilt byte views (no per-call allocation); on CUDA tensors they are torch copies into a
+    (pinned) host tensor, and the caller synchronizes before reading the bytes.
+    """
+
+    def __init__(self, kind: EngineLayoutKind, layers: Sequence[torch.Tensor], block_size: int,
+                 num_kv_heads: int, head_size: int) -> None:
+        if not layers:
+            raise LayoutMismatch("no KV tensors given")
+        self.kind = kind
+        self.device = layers[0].device
+        num_layers = layers[0].shape[1] if kind is EngineLayoutKind.KVBM_FC else len(layers)
+        if kind is EngineLayoutKind.MLA and num_kv_heads != 1:
+            raise LayoutMismatch("MLA layouts have a single latent per token (num_kv_heads=1)")
+        self.shape = BlockShape(CANONICAL_OF[kind], DType.from_torch(layers[0].dtype), num_layers,
+                                block_size, num_kv_heads, head_size)
+        self._views = [self._block_view(t) for t in layers]
+        self.num_blocks = int(self._views[0].shape[0])
+        self.is_cuda = self.device.type == "cuda"
+        if not self.is_cuda:
+            self._views = [v.numpy() for v in self._views]
+
+    def _block_view(self, t: torch.Tensor) -> torch.Tensor:
+        """A uint8 view indexed [block][plane][bytes] (plane count = 1 if contiguous per block)."""
+        s, kind = self.shape, self.kind
+        inner = s.block_size * s.num_kv_heads * s.head_size
+        expect: tuple[int, ...]
+        if kind is EngineLayoutKind.FLASH_ATTN:
+            expect = (2, t.shape[1], s.block_size, s.num_kv_heads, s.head_size)
+        elif kind is EngineLayoutKind.FLASHINFER:
+            expect = (t.shape[0], 2, s.block_size, s.num_kv_heads, s.head_size)
+        elif kind is EngineLayoutKind.MLA:
+            expect = (t.shape[0], s.block_size, s.head_size)
+        elif kind is EngineLayoutKind.VLLM_CPU:
+            expect = (t.shape[0], s.num_kv_heads, s.block_size, 2 * s.head_size)
+        else:  # KVBM_FC: one tensor for all layers
+            expect = (t.shape[0], t.shape[1], 2, s.block_size, s.num_kv_heads * s.head_size)
+        if tuple(t.shape) != expect:
+            raise LayoutMismatch(f"{kind.name} tensor shape {tuple(t.shape)} != expected {expect}")
+        if not t.is_contiguous():
+            raise LayoutMismatch(f"{kind.name} KV tensor must be contiguous")
+        b = _u8(t)
+        isz = s.dtype.itemsize
+        if kind is EngineLayoutKind.FLASH_ATTN:
+            return b.reshape(2, t.shape[1], inner * isz).transpose(0, 1)  # [block][K/V][bytes]
+        if kind is EngineLayoutKind.KVBM_FC:
+            return b.reshape(t.shape[0], s.num_layers, s.layer_bytes)  # [block][layer][bytes]
+        return b.reshape(t.shape[0], 1, s.layer_bytes)  # block-contiguous per layer
+
+    def _src(self, block_id: int, layer: int):  # np.ndarray | torch.Tensor, [planes, bytes]
+        if self.kind is EngineLayoutKind.KVBM_FC:
+            return self._views[0][block_id, layer]
+        return self._views[layer][block_id]
+
+    def gather_layer(self, block_id: int, layer: int, dest) -> None:  # dest: np.ndarray | Tensor
+        src = self._src(block_id, layer)
+        if self.is_cuda:
+            dest.view(src.shape).copy_(src, non_blocking=True)
+        else:
+            np.copyto(dest.reshape(src.shape), src)
+
+    def scatter_layer(self, block_id: int, layer: int, src) -> None:
+        dst = self._src(block_id, layer)
+        if self.is_cuda:
+            dst.copy_(src.view(dst.shape), non_blocking=True)
+        else:
+            np.copyto(dst, src.reshape(dst.shape))
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    @classmethod
+    def from_vllm(cls, kv_caches: Mapping[str, torch.Tensor], block_size: int, num_kv_heads: int,
+                  head_size: int, *, is_mla: bool = False) -> EngineLayout:
+        """Detect the layout from vLLM's ``register_kv_caches`` tensors (ordered by layer name)."""
+        tensors = list(kv_caches.values())
+        t = tensors[0]
+        if is_mla or t.dim() == 3:
+            return cls(EngineLayoutKind.MLA, tensors, block_size, 1, t.shape[-1])
+        if t.dim() == 5 and t.shape[0] == 2 and t.shape[2:] == (block_size, num_kv_heads, head_size):
+            return cls(EngineLayoutKind.FLASH_ATTN, tensors, block_size, num_kv_heads, head_size)
+        if t.dim() == 5 and t.shape[1] == 2:
+            return cls(EngineLayoutKind.FLASHINFER, tensors, block_size, num_kv_heads, head_size)
+        if t.dim() == 4 and t.shape[1:] == (num_kv_heads, block_size, 2 * head_size):
+            return cls(EngineLayoutKind.VLLM_CPU, tensors, block_size, num_kv_heads, head_size)
+        raise LayoutMismatch(
+            f"unrecognised KV cache tensor shape {tuple(t.shape)} for block_size={block_size}, "
+            f"kv_heads={num_kv_heads}, head_size={head_size}"
+        )
+
+
+def allocate_engine_kv(kind: EngineLayoutKind, *, num_layers: int, num_blocks: int, block_size: int,
+                       num_kv_heads: int, head_size: int, dtype: torch.dtype = torch.bfloat16,
+                       device: str = "cpu") -> list[torch.Tensor]:
+    """Allocate zeroed engine-shaped KV tensors (tests, benchmarks, the demo)."""
+    shapes = {
+        EngineLayoutKind.FLASH_ATTN: (2, num_blocks, block_size, num_kv_heads, head_size),
+        EngineLayoutKind.FLASHINFER: (num_blocks, 2, block_size, num_kv_heads, head_size),
+        EngineLayoutKind.MLA: (num_blocks, block_size, head_size),
+        EngineLayoutKind.VLLM_CPU: (num_blocks, num_kv_heads, block_size, 2 * head_size),
+    }
+    if kind is EngineLayoutKind.KVBM_FC:
+        return [torch.zeros(num_blocks, num_layers, 2, block_size, num_kv_heads * head_size,
+                            dtype=dtype, device=device)]
+    return [torch.zeros(shapes[kind], dtype=dtype, device=device) for _ in range(num_layers)]
