@@ -1,0 +1,1 @@
+"""Benchmarks run by ``dtkv bench <name>``; see ``commands/bench.py`` for the module convention."""

@@ -1,0 +1,1 @@
+"""Subcommands of ``dtkv``; see ``cli.py`` for the plug-in convention."""
