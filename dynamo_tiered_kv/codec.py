@@ -88,26 +88,50 @@ def _as_u8(buf) -> np.ndarray:
     return a
 
 
-def _write_header(out: np.ndarray, shape: BlockShape, engine_kind: EngineLayoutKind, namespace: bytes,
-                  key: bytes, parent: bytes, sums: Sequence[int]) -> None:
+def _write_header(
+    out: np.ndarray,
+    shape: BlockShape,
+    engine_kind: EngineLayoutKind,
+    namespace: bytes,
+    key: bytes,
+    parent: bytes,
+    sums: Sequence[int],
+) -> None:
     if len(namespace) != KEY_BYTES or len(key) != KEY_BYTES or len(parent) != KEY_BYTES:
         raise ValueError("namespace digest, key and parent must each be 16 bytes")
     hb = header_bytes(shape.num_layers)
-    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, 0, hb, namespace, key, parent, int(shape.canonical),
-                        int(shape.dtype), int(engine_kind), CHECKSUM_XXH3_64, shape.num_layers,
-                        shape.block_size, shape.num_kv_heads, shape.head_size, shape.block_size,
-                        shape.layer_bytes, shape.payload_bytes, record_bytes(shape), bytes(8))
+    fixed = _FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        0,
+        hb,
+        namespace,
+        key,
+        parent,
+        int(shape.canonical),
+        int(shape.dtype),
+        int(engine_kind),
+        CHECKSUM_XXH3_64,
+        shape.num_layers,
+        shape.block_size,
+        shape.num_kv_heads,
+        shape.head_size,
+        shape.block_size,
+        shape.layer_bytes,
+        shape.payload_bytes,
+        record_bytes(shape),
+        bytes(8),
+    )
     table = np.asarray(sums, dtype="<u8").tobytes()
     h = xxhash.xxh3_64(fixed)
     h.update(table)
     out[:_FIXED_BYTES] = np.frombuffer(fixed, np.uint8)
     out[_HDR_SUM_OFF:_TABLE_OFF] = np.frombuffer(struct.pack("<Q", h.intdigest()), np.uint8)
-    out[_TABLE_OFF:_TABLE_OFF + len(table)] = np.frombuffer(table, np.uint8)
-    out[_TABLE_OFF + len(table):hb] = 0
+    out[_TABLE_OFF : _TABLE_OFF + len(table)] = np.frombuffer(table, np.uint8)
+    out[_TABLE_OFF + len(table) : hb] = 0
 
 
-def encode_block(layout: EngineLayout, block_id: int, namespace: bytes, key: bytes, parent: bytes,
-                 out) -> int:
+def encode_block(layout: EngineLayout, block_id: int, namespace: bytes, key: bytes, parent: bytes, out) -> int:
     """Gather engine block ``block_id`` into ``out`` as one record. Returns the record length.
 
     ``out`` is a writable uint8 buffer (a staging slab slice) of at least ``record_bytes``.
@@ -115,8 +139,14 @@ def encode_block(layout: EngineLayout, block_id: int, namespace: bytes, key: byt
     return encode_blocks(layout, [block_id], [namespace] * 1, [key], [parent], out)
 
 
-def encode_blocks(layout: EngineLayout, block_ids: Sequence[int], namespaces: Sequence[bytes],
-                  keys: Sequence[bytes], parents: Sequence[bytes], out) -> int:
+def encode_blocks(
+    layout: EngineLayout,
+    block_ids: Sequence[int],
+    namespaces: Sequence[bytes],
+    keys: Sequence[bytes],
+    parents: Sequence[bytes],
+    out,
+) -> int:
     """Encode several blocks back to back into ``out``. Returns the total length written."""
     shape = layout.shape
     rb, hb, lb, nl = record_bytes(shape), header_bytes(shape.num_layers), shape.layer_bytes, shape.num_layers
@@ -133,42 +163,56 @@ def encode_blocks(layout: EngineLayout, block_ids: Sequence[int], namespaces: Se
         for i, b in enumerate(block_ids):
             base = i * rb + hb
             for layer in range(nl):
-                layout.gather_layer(b, layer, tdst[base + layer * lb: base + (layer + 1) * lb])
+                layout.gather_layer(b, layer, tdst[base + layer * lb : base + (layer + 1) * lb])
         layout.synchronize()
         for i in range(n):
             base = i * rb + hb
-            sums = [xxhash.xxh3_64_intdigest(dst[base + j * lb: base + (j + 1) * lb]) for j in range(nl)]
-            _finish(dst[i * rb:(i + 1) * rb], shape, layout.kind, namespaces[i], keys[i], parents[i], sums)
+            sums = [xxhash.xxh3_64_intdigest(dst[base + j * lb : base + (j + 1) * lb]) for j in range(nl)]
+            _finish(dst[i * rb : (i + 1) * rb], shape, layout.kind, namespaces[i], keys[i], parents[i], sums)
         return n * rb
     for i, b in enumerate(block_ids):
-        rec = dst[i * rb:(i + 1) * rb]
+        rec = dst[i * rb : (i + 1) * rb]
         sums = []
         for layer in range(nl):
-            chunk = rec[hb + layer * lb: hb + (layer + 1) * lb]
+            chunk = rec[hb + layer * lb : hb + (layer + 1) * lb]
             layout.gather_layer(b, layer, chunk)
             sums.append(xxhash.xxh3_64_intdigest(chunk))  # hashed while still in cache
         _finish(rec, shape, layout.kind, namespaces[i], keys[i], parents[i], sums)
     return n * rb
 
 
-def _finish(rec: np.ndarray, shape: BlockShape, kind: EngineLayoutKind, ns: bytes, key: bytes,
-            parent: bytes, sums: Sequence[int]) -> None:
+def _finish(
+    rec: np.ndarray,
+    shape: BlockShape,
+    kind: EngineLayoutKind,
+    ns: bytes,
+    key: bytes,
+    parent: bytes,
+    sums: Sequence[int],
+) -> None:
     hb = header_bytes(shape.num_layers)
     end = hb + shape.payload_bytes
-    rec[end:record_bytes(shape)] = 0  # deterministic padding
+    rec[end : record_bytes(shape)] = 0  # deterministic padding
     _write_header(rec, shape, kind, ns, key, parent, sums)
 
 
-def encode_payload(payload, shape: BlockShape, namespace: bytes, key: bytes, parent: bytes, out,
-                   engine_kind: EngineLayoutKind = EngineLayoutKind.FLASH_ATTN) -> int:
+def encode_payload(
+    payload,
+    shape: BlockShape,
+    namespace: bytes,
+    key: bytes,
+    parent: bytes,
+    out,
+    engine_kind: EngineLayoutKind = EngineLayoutKind.FLASH_ATTN,
+) -> int:
     """Encode an already-canonical payload (tools, tests, re-encoding). Returns the record length."""
     src = _as_u8(payload)
     if src.nbytes != shape.payload_bytes:
         raise ValueError(f"payload is {src.nbytes} bytes, shape needs {shape.payload_bytes}")
     rec = _as_u8(out)[: record_bytes(shape)]
     hb, lb = header_bytes(shape.num_layers), shape.layer_bytes
-    rec[hb:hb + src.nbytes] = src
-    sums = [xxhash.xxh3_64_intdigest(rec[hb + j * lb: hb + (j + 1) * lb]) for j in range(shape.num_layers)]
+    rec[hb : hb + src.nbytes] = src
+    sums = [xxhash.xxh3_64_intdigest(rec[hb + j * lb : hb + (j + 1) * lb]) for j in range(shape.num_layers)]
     _finish(rec, shape, engine_kind, namespace, key, parent, sums)
     return rec.nbytes
 
@@ -179,8 +223,28 @@ def decode_header(buf) -> RecordHeader:
     if a.nbytes < _TABLE_OFF:
         raise RecordTruncated(f"{a.nbytes} bytes is shorter than a record header")
     fixed = a[:_FIXED_BYTES].tobytes()
-    (magic, version, _flags, hb, ns, key, parent, canon, dtype, ekind, algo, nl, bs, heads, hs, ntok,
-     lb, pb, rb, _res) = _FIXED.unpack(fixed)
+    (
+        magic,
+        version,
+        _flags,
+        hb,
+        ns,
+        key,
+        parent,
+        canon,
+        dtype,
+        ekind,
+        algo,
+        nl,
+        bs,
+        heads,
+        hs,
+        ntok,
+        lb,
+        pb,
+        rb,
+        _res,
+    ) = _FIXED.unpack(fixed)
     if magic != MAGIC:
         raise BadMagic(f"bad magic {magic!r}")
     if version != FORMAT_VERSION:
@@ -189,7 +253,7 @@ def decode_header(buf) -> RecordHeader:
         raise HeaderCorrupt(f"implausible header (layers={nl}, header_bytes={hb})")
     if a.nbytes < hb:
         raise RecordTruncated(f"{a.nbytes} bytes, header needs {hb}")
-    table = a[_TABLE_OFF:_TABLE_OFF + 8 * nl]
+    table = a[_TABLE_OFF : _TABLE_OFF + 8 * nl]
     h = xxhash.xxh3_64(fixed)
     h.update(table)
     (stored,) = struct.unpack("<Q", a[_HDR_SUM_OFF:_TABLE_OFF].tobytes())
@@ -202,12 +266,17 @@ def decode_header(buf) -> RecordHeader:
         raise HeaderCorrupt(f"invalid layout descriptor: {e}") from None
     if lb != shape.layer_bytes or pb != shape.payload_bytes or rb != record_bytes(shape) or ntok != bs:
         raise HeaderCorrupt("record lengths disagree with its layout descriptor")
-    return RecordHeader(ns, key, parent, shape, kind, ntok, hb, rb,
-                        tuple(int(x) for x in table.view("<u8")))
+    return RecordHeader(ns, key, parent, shape, kind, ntok, hb, rb, tuple(int(x) for x in table.view("<u8")))
 
 
-def verify_record(buf, *, namespace: bytes | None = None, key: bytes | None = None,
-                  shape: BlockShape | None = None, layers: tuple[int, int] | None = None) -> RecordHeader:
+def verify_record(
+    buf,
+    *,
+    namespace: bytes | None = None,
+    key: bytes | None = None,
+    shape: BlockShape | None = None,
+    layers: tuple[int, int] | None = None,
+) -> RecordHeader:
     """Verify a whole record (or only layers [first, last) of it) and its identity.
 
     Raises a ``RecordError`` subclass on any mismatch; returns the parsed header otherwise.
@@ -227,7 +296,7 @@ def verify_record(buf, *, namespace: bytes | None = None, key: bytes | None = No
     lb = hdr.shape.layer_bytes
     for j in range(first, last):
         off = hdr.header_bytes + j * lb
-        if xxhash.xxh3_64_intdigest(a[off:off + lb]) != hdr.layer_sums[j]:
+        if xxhash.xxh3_64_intdigest(a[off : off + lb]) != hdr.layer_sums[j]:
             raise ChecksumMismatch(f"layer {j} payload checksum mismatch (key {hdr.key.hex()})")
     return hdr
 
@@ -245,11 +314,11 @@ def decode_block(buf, layout: EngineLayout, block_id: int, *, namespace: bytes, 
 
         t = torch.from_numpy(a)
         for j in range(hdr.shape.num_layers):
-            layout.scatter_layer(block_id, j, t[hb + j * lb: hb + (j + 1) * lb])
+            layout.scatter_layer(block_id, j, t[hb + j * lb : hb + (j + 1) * lb])
         layout.synchronize()
     else:
         for j in range(hdr.shape.num_layers):
-            layout.scatter_layer(block_id, j, a[hb + j * lb: hb + (j + 1) * lb])
+            layout.scatter_layer(block_id, j, a[hb + j * lb : hb + (j + 1) * lb])
     return hdr
 
 
@@ -257,4 +326,4 @@ def payload_view(buf, *, namespace: bytes | None = None, key: bytes | None = Non
     """The verified canonical payload of a record, as a uint8 view (no copy)."""
     a = _as_u8(buf)
     hdr = verify_record(a, namespace=namespace, key=key)
-    return a[hdr.header_bytes: hdr.header_bytes + hdr.shape.payload_bytes]
+    return a[hdr.header_bytes : hdr.header_bytes + hdr.shape.payload_bytes]

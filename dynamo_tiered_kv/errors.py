@@ -1,19 +1,19 @@
 """One error root for the package; each class names the recovery it needs.
 
-    TieredKVError
-    ├── ConfigError(ValueError)            refuse to start; message names the field
-    ├── RecordError                        bytes of a stored block are unusable: drop them, count, recompute
-    │   ├── RecordTruncated                fewer bytes than the header promises
-    │   ├── BadMagic                       not a record at all (or a wrong offset)
-    │   ├── UnsupportedVersion             written by a newer format we cannot read
-    │   ├── HeaderCorrupt                  header checksum mismatch
-    │   ├── ChecksumMismatch               payload (a layer) checksum mismatch
-    │   ├── NamespaceMismatch              another model/layout/tenant wrote it
-    │   ├── KeyMismatch                    the index pointed at another block
-    │   └── LayoutMismatch                 the record's shape does not fit the engine's layout
-    ├── TierUnavailable                    a tier is down or disabled: fail open, treat as a miss
-    ├── TierFull                           capacity bound would be exceeded and nothing is evictable
-    └── StagingExhausted                   no staging slab free within the timeout: drop the offload
+TieredKVError
+├── ConfigError(ValueError)            refuse to start; message names the field
+├── RecordError                        bytes of a stored block are unusable: drop them, count, recompute
+│   ├── RecordTruncated                fewer bytes than the header promises
+│   ├── BadMagic                       not a record at all (or a wrong offset)
+│   ├── UnsupportedVersion             written by a newer format we cannot read
+│   ├── HeaderCorrupt                  header checksum mismatch
+│   ├── ChecksumMismatch               payload (a layer) checksum mismatch
+│   ├── NamespaceMismatch              another model/layout/tenant wrote it
+│   ├── KeyMismatch                    the index pointed at another block
+│   └── LayoutMismatch                 the record's shape does not fit the engine's layout
+├── TierUnavailable                    a tier is down or disabled: fail open, treat as a miss
+├── TierFull                           capacity bound would be exceeded and nothing is evictable
+└── StagingExhausted                   no staging slab free within the timeout: drop the offload
 """
 
 from __future__ import annotations

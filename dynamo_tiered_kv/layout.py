@@ -135,8 +135,9 @@ class EngineLayout:
     (pinned) host tensor, and the caller synchronizes before reading the bytes.
     """
 
-    def __init__(self, kind: EngineLayoutKind, layers: Sequence[torch.Tensor], block_size: int,
-                 num_kv_heads: int, head_size: int) -> None:
+    def __init__(
+        self, kind: EngineLayoutKind, layers: Sequence[torch.Tensor], block_size: int, num_kv_heads: int, head_size: int
+    ) -> None:
         if not layers:
             raise LayoutMismatch("no KV tensors given")
         self.kind = kind
@@ -144,8 +145,10 @@ class EngineLayout:
         num_layers = layers[0].shape[1] if kind is EngineLayoutKind.KVBM_FC else len(layers)
         if kind is EngineLayoutKind.MLA and num_kv_heads != 1:
             raise LayoutMismatch("MLA layouts have a single latent per token (num_kv_heads=1)")
-        self.shape = BlockShape(CANONICAL_OF[kind], DType.from_torch(layers[0].dtype), num_layers,
-                                block_size, num_kv_heads, head_size)
+        self.shape = BlockShape(
+            CANONICAL_OF[kind], DType.from_torch(layers[0].dtype), num_layers, block_size, num_kv_heads, head_size
+        )
+        self.tensors = list(layers)
         self._views = [self._block_view(t) for t in layers]
         self.num_blocks = int(self._views[0].shape[0])
         self.is_cuda = self.device.type == "cuda"
@@ -203,8 +206,15 @@ class EngineLayout:
             torch.cuda.current_stream(self.device).synchronize()
 
     @classmethod
-    def from_vllm(cls, kv_caches: Mapping[str, torch.Tensor], block_size: int, num_kv_heads: int,
-                  head_size: int, *, is_mla: bool = False) -> EngineLayout:
+    def from_vllm(
+        cls,
+        kv_caches: Mapping[str, torch.Tensor],
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        *,
+        is_mla: bool = False,
+    ) -> EngineLayout:
         """Detect the layout from vLLM's ``register_kv_caches`` tensors (ordered by layer name)."""
         tensors = list(kv_caches.values())
         t = tensors[0]
@@ -222,9 +232,17 @@ class EngineLayout:
         )
 
 
-def allocate_engine_kv(kind: EngineLayoutKind, *, num_layers: int, num_blocks: int, block_size: int,
-                       num_kv_heads: int, head_size: int, dtype: torch.dtype = torch.bfloat16,
-                       device: str = "cpu") -> list[torch.Tensor]:
+def allocate_engine_kv(
+    kind: EngineLayoutKind,
+    *,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+) -> list[torch.Tensor]:
     """Allocate zeroed engine-shaped KV tensors (tests, benchmarks, the demo)."""
     shapes = {
         EngineLayoutKind.FLASH_ATTN: (2, num_blocks, block_size, num_kv_heads, head_size),
@@ -233,6 +251,7 @@ def allocate_engine_kv(kind: EngineLayoutKind, *, num_layers: int, num_blocks: i
         EngineLayoutKind.VLLM_CPU: (num_blocks, num_kv_heads, block_size, 2 * head_size),
     }
     if kind is EngineLayoutKind.KVBM_FC:
-        return [torch.zeros(num_blocks, num_layers, 2, block_size, num_kv_heads * head_size,
-                            dtype=dtype, device=device)]
+        return [
+            torch.zeros(num_blocks, num_layers, 2, block_size, num_kv_heads * head_size, dtype=dtype, device=device)
+        ]
     return [torch.zeros(shapes[kind], dtype=dtype, device=device) for _ in range(num_layers)]

@@ -98,7 +98,7 @@ class TierConformanceTests:
         key, rec = _rec(3, size_class=2)
         await tier.write(key, memoryview(rec))
         for start, length in ((0, 4096), (4096, 8192), (len(rec) - 4096, 4096), (100, 1)):
-            assert await _read(tier, key, length, ByteRange(start, length)) == rec[start:start + length]
+            assert await _read(tier, key, length, ByteRange(start, length)) == rec[start : start + length]
 
     async def test_range_past_end_raises(self, tier: Tier) -> None:
         key, rec = _rec(4)
@@ -216,7 +216,7 @@ class TierConformanceTests:
                 if v is None or start + length > len(v):
                     return
                 got = self.run(_read(self.tier, k, length, ByteRange(start, length)))
-                assert got == v[start:start + length]
+                assert got == v[start : start + length]
 
             @rule(i=st.integers(0, 15))
             def delete(self, i: int) -> None:
@@ -236,7 +236,9 @@ class TierConformanceTests:
                 self.loop.close()
 
         TierMachine.TestCase.settings = settings(
-            max_examples=20, stateful_step_count=25, deadline=None,
+            max_examples=20,
+            stateful_step_count=25,
+            deadline=None,
             suppress_health_check=list(HealthCheck),
         )
         TierMachine.TestCase().runTest()

@@ -13,8 +13,9 @@ from ..layout import BlockShape, CanonicalFormat, DType
 TEST_NAMESPACE = hashlib.blake2b(b"dtkv-test-namespace", digest_size=KEY_BYTES).digest()
 
 
-def small_shape(num_layers: int = 2, block_size: int = 16, kv_heads: int = 2, head_size: int = 32,
-                dtype: DType = DType.BFLOAT16) -> BlockShape:
+def small_shape(
+    num_layers: int = 2, block_size: int = 16, kv_heads: int = 2, head_size: int = 32, dtype: DType = DType.BFLOAT16
+) -> BlockShape:
     return BlockShape(CanonicalFormat.KV_SPLIT, dtype, num_layers, block_size, kv_heads, head_size)
 
 
@@ -22,8 +23,14 @@ def random_key(i: int, salt: bytes = b"") -> bytes:
     return hashlib.blake2b(salt + i.to_bytes(8, "little"), digest_size=KEY_BYTES).digest()
 
 
-def make_record(key: bytes, seed: int = 0, *, shape: BlockShape | None = None, parent: bytes = ROOT_KEY,
-                namespace: bytes = TEST_NAMESPACE) -> bytes:
+def make_record(
+    key: bytes,
+    seed: int = 0,
+    *,
+    shape: BlockShape | None = None,
+    parent: bytes = ROOT_KEY,
+    namespace: bytes = TEST_NAMESPACE,
+) -> bytes:
     """A valid encoded record whose payload is derived from ``seed``."""
     shape = shape or small_shape()
     rng = np.random.default_rng(seed)

@@ -26,8 +26,14 @@ class HostTier(Tier):
     name = "host"
     capabilities = TierCapabilities(medium="host", durable=False, shared=False)
 
-    def __init__(self, capacity_bytes: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 pin: bool | None = None, on_evict: Callable[[BlockKey], None] | None = None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        pin: bool | None = None,
+        on_evict: Callable[[BlockKey], None] | None = None,
+    ) -> None:
         if capacity_bytes <= 0 or chunk_bytes <= 0:
             raise ValueError("capacity_bytes and chunk_bytes must be positive")
         import torch
@@ -76,7 +82,7 @@ class HostTier(Tier):
             while pos < n:
                 ci, co = divmod(off + pos, c)
                 take = min(c - co, n - pos)
-                dst[pos:pos + take] = self._chunks[chunks[ci], co:co + take]
+                dst[pos : pos + take] = self._chunks[chunks[ci], co : co + take]
                 pos += take
             return n
 
@@ -98,8 +104,8 @@ class HostTier(Tier):
             chunks = [self._free.pop() for _ in range(need)]
             c = self._chunk
             for i, ch in enumerate(chunks):
-                part = src[i * c:(i + 1) * c]
-                self._chunks[ch, :part.nbytes] = part
+                part = src[i * c : (i + 1) * c]
+                self._chunks[ch, : part.nbytes] = part
             self._index[key] = (src.nbytes, chunks)
             self._used += src.nbytes
         if self._on_evict is not None:

@@ -1,0 +1,161 @@
+"""One typed, validated settings object for the whole store.
+
+Sources, highest priority first: explicit keyword arguments / a mapping (vLLM's
+``kv_connector_extra_config``), environment variables ``DYN_TIERED_KV_<FIELD>``, a YAML file
+(``DYN_TIERED_KV_CONFIG_FILE`` or ``TieredKVConfig.from_yaml``), then the defaults below.
+Unknown keys are rejected, every error names its field, secrets never appear in ``repr``.
+Parse once, at start; nothing deeper in the code reads raw dicts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from .errors import ConfigError
+
+ENV_PREFIX = "DYN_TIERED_KV_"
+ENV_CONFIG_FILE = ENV_PREFIX + "CONFIG_FILE"
+_yaml_file: ContextVar[Path | None] = ContextVar("_yaml_file", default=None)
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+class TieredKVConfig(BaseSettings):
+    """Settings for the tiers, staging, admission and observability."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True, validate_default=True)
+
+    # --- identity ------------------------------------------------------------------------
+    tenant_salt: SecretStr = Field(SecretStr(""), description="mixed into every key; tenants never share KV")
+    model_id: str | None = Field(None, description="override the engine's model name in the namespace")
+
+    # --- G2 host tier -----------------------------------------------------------------------
+    host_capacity_bytes: int = Field(2 * GiB, ge=0, description="pinned DRAM for hot blocks; 0 disables")
+    host_ttl_s: float = Field(900.0, gt=0, description="host tier retention (minutes)")
+
+    # --- G3 SSD tier --------------------------------------------------------------------------
+    ssd_dir: Path | None = Field(None, description="local NVMe directory; None disables the SSD tier")
+    ssd_capacity_bytes: int = Field(64 * GiB, gt=0)
+    ssd_segment_bytes: int = Field(256 * MiB, ge=1 * MiB)
+    ssd_io: Literal["auto", "nixl", "odirect", "buffered"] = "auto"
+    ssd_ttl_s: float = Field(24 * 3600.0, gt=0, description="SSD retention (hours)")
+    ssd_seal_idle_s: float = Field(5.0, gt=0, description="seal the open segment after this idle time")
+    ssd_allow_evict_unflushed: bool = Field(False, description="drop segments not yet in the object tier")
+
+    # --- G4 object tier -----------------------------------------------------------------------
+    object_url: str | None = Field(None, description="s3://bucket/prefix or file:///dir; None disables")
+    object_ttl_s: float = Field(14 * 24 * 3600.0, gt=0, description="object retention (days to weeks)")
+    s3_endpoint_url: str | None = None
+    s3_region: str = "us-east-1"
+    s3_access_key: SecretStr | None = None
+    s3_secret_key: SecretStr | None = None
+    s3_verify_tls: bool = True
+    s3_addressing_style: Literal["path", "virtual", "auto"] = "path"
+    s3_part_bytes: int = Field(8 * MiB, ge=5 * MiB)
+    s3_max_concurrency: int = Field(8, ge=1, le=256)
+    flush_queue_segments: int = Field(16, ge=1, description="bounded flusher queue")
+
+    # --- staging, admission, engine-facing -----------------------------------------------------
+    staging_slab_bytes: int = Field(32 * MiB, ge=64 * 1024)
+    staging_slabs: int = Field(8, ge=1)
+    admission: Literal["always", "second_hit"] = "always"
+    min_prefix_blocks: int = Field(1, ge=1, description="only offload prefixes at least this long")
+    max_pending_offloads: int = Field(64, ge=1, description="queued offload batches before dropping")
+    load_timeout_s: float = Field(30.0, gt=0)
+
+    # --- observability ---------------------------------------------------------------------------
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus metrics here")
+
+    @field_validator("object_url")
+    @classmethod
+    def _check_object_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("s3://", "file://")):
+            raise ValueError("must start with s3:// or file://")
+        return v
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> TieredKVConfig:
+        if self.host_capacity_bytes and self.host_capacity_bytes < self.staging_slab_bytes // 8:
+            raise ValueError("host_capacity_bytes is too small to hold even a fraction of one staging slab")
+        if self.object_url and self.object_url.startswith("s3://") and not self.object_url[5:].strip("/"):
+            raise ValueError("object_url s3:// needs a bucket name")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ):
+        return init_settings, env_settings, _YamlSource(settings_cls)
+
+    # --- constructors that turn every failure into a ConfigError naming the field --------------
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any] | None = None) -> TieredKVConfig:
+        """Build from a dict (e.g. ``kv_connector_extra_config``), env vars and the YAML file."""
+        _reject_unknown_env()
+        try:
+            return cls(**dict(data or {}))
+        except ValidationError as e:
+            raise ConfigError(_describe(e)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str], **overrides: Any) -> TieredKVConfig:
+        """Settings from a YAML file (ranked like ``DYN_TIERED_KV_CONFIG_FILE``: env vars override it)."""
+        token = _yaml_file.set(Path(path))
+        try:
+            return cls.from_mapping(overrides)
+        finally:
+            _yaml_file.reset(token)
+
+    def redacted(self) -> dict[str, Any]:
+        """Settings as a plain dict with secrets masked (for logs and ``dtkv config``)."""
+        return self.model_dump(mode="json")
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """Values from the YAML file named by ``DYN_TIERED_KV_CONFIG_FILE`` (if set)."""
+
+    def get_field_value(self, field, field_name):  # pragma: no cover - unused by __call__
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = _yaml_file.get() or os.environ.get(ENV_CONFIG_FILE)
+        return _read_yaml(Path(path)) if path else {}
+
+
+def _reject_unknown_env() -> None:
+    known = {ENV_PREFIX + f.upper() for f in TieredKVConfig.model_fields} | {ENV_CONFIG_FILE}
+    unknown = sorted(k for k in os.environ if k.startswith(ENV_PREFIX) and k not in known)
+    if unknown:
+        raise ConfigError(f"unknown environment setting(s): {', '.join(unknown)}")
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at top level")
+    return data
+
+
+def _describe(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        field = ".".join(str(x) for x in err["loc"]) or "<config>"
+        msg = err["msg"] if err["type"] != "extra_forbidden" else "unknown setting"
+        parts.append(f"{field}: {msg}")
+    return "invalid dynamo-tiered-kv config: " + "; ".join(parts)

@@ -1,0 +1,68 @@
+from pathlib import Path
+
+import pytest
+
+from dynamo_tiered_kv.config import TieredKVConfig
+from dynamo_tiered_kv.errors import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for k in list(os.environ):
+        if k.startswith("DYN_TIERED_KV_"):
+            monkeypatch.delenv(k)
+
+
+def test_defaults_and_mapping() -> None:
+    c = TieredKVConfig.from_mapping({"ssd_dir": "/tmp/kv", "object_url": "file:///tmp/obj"})
+    assert c.ssd_dir == Path("/tmp/kv") and c.object_url == "file:///tmp/obj"
+    assert c.host_capacity_bytes > 0
+
+
+def test_unknown_key_rejected_with_its_name() -> None:
+    with pytest.raises(ConfigError, match="ssd_dirr: unknown setting"):
+        TieredKVConfig.from_mapping({"ssd_dirr": "/tmp"})
+
+
+def test_bad_value_names_field() -> None:
+    with pytest.raises(ConfigError, match="object_url"):
+        TieredKVConfig.from_mapping({"object_url": "http://x"})
+    with pytest.raises(ConfigError, match="staging_slabs"):
+        TieredKVConfig.from_mapping({"staging_slabs": 0})
+
+
+def test_secrets_hidden() -> None:
+    c = TieredKVConfig.from_mapping({"tenant_salt": "topsecret", "s3_secret_key": "hunter2"})
+    assert "topsecret" not in repr(c) and "hunter2" not in repr(c)
+    assert "hunter2" not in str(c.redacted())
+    assert c.tenant_salt.get_secret_value() == "topsecret"
+
+
+def test_env_and_yaml_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("ssd_capacity_bytes: 1000\nadmission: second_hit\n")
+    monkeypatch.setenv("DYN_TIERED_KV_CONFIG_FILE", str(f))
+    monkeypatch.setenv("DYN_TIERED_KV_SSD_CAPACITY_BYTES", "2000")
+    c = TieredKVConfig.from_mapping({})
+    assert c.ssd_capacity_bytes == 2000  # env beats YAML
+    assert c.admission == "second_hit"  # YAML beats default
+    assert TieredKVConfig.from_mapping({"ssd_capacity_bytes": 3000}).ssd_capacity_bytes == 3000  # dict wins
+    assert TieredKVConfig.from_yaml(f).ssd_capacity_bytes == 2000
+
+
+def test_unknown_env_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYN_TIERED_KV_SSD_DIRR", "/x")
+    with pytest.raises(ConfigError, match="DYN_TIERED_KV_SSD_DIRR"):
+        TieredKVConfig.from_mapping({})
+
+
+def test_bad_yaml(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        TieredKVConfig.from_yaml(f)
+    f.write_text("unknown_field: 1\n")
+    with pytest.raises(ConfigError, match="unknown_field"):
+        TieredKVConfig.from_yaml(f)
