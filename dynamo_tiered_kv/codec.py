@@ -5,8 +5,8 @@ the canonical payload (padded to 4 KiB), so records can be written and read with
 cuFile straight from and into staging slabs, and a layer range is one aligned byte range.
 
 Encoding gathers one layer at a time from the engine into the slab and hashes it while it is
-still in cache; decoding verifies the header, then every layer checksum, and only then
-scatters into the engine. Nothing unverified is ever copied out.
+still in cache; decoding verifies the header, then each layer's checksum right before copying
+that layer into the engine. Nothing unverified is ever copied out.
 """
 
 from __future__ import annotations
@@ -170,14 +170,18 @@ def encode_blocks(
             sums = [xxhash.xxh3_64_intdigest(dst[base + j * lb : base + (j + 1) * lb]) for j in range(nl)]
             _finish(dst[i * rb : (i + 1) * rb], shape, layout.kind, namespaces[i], keys[i], parents[i], sums)
         return n * rb
+    views = layout.layer_views
+    h64 = xxhash.xxh3_64_intdigest
+    copyto = np.copyto
+    mv = memoryview(dst)
     for i, b in enumerate(block_ids):
-        rec = dst[i * rb : (i + 1) * rb]
+        base = i * rb + hb
+        layers = dst[base : base + nl * lb].reshape(nl, *views[0].shape[1:])
         sums = []
-        for layer in range(nl):
-            chunk = rec[hb + layer * lb : hb + (layer + 1) * lb]
-            layout.gather_layer(b, layer, chunk)
-            sums.append(xxhash.xxh3_64_intdigest(chunk))  # hashed while still in cache
-        _finish(rec, shape, layout.kind, namespaces[i], keys[i], parents[i], sums)
+        for j in range(nl):
+            copyto(layers[j], views[j][b])
+            sums.append(h64(mv[base + j * lb : base + (j + 1) * lb]))  # hashed while still in cache
+        _finish(dst[i * rb : (i + 1) * rb], shape, layout.kind, namespaces[i], keys[i], parents[i], sums)
     return n * rb
 
 
@@ -283,43 +287,63 @@ def verify_record(
     """
     a = _as_u8(buf)
     hdr = decode_header(a)
+    _check_identity(hdr, namespace, key, shape)
+    first, last = layers or (0, hdr.shape.num_layers)
+    end = hdr.header_bytes + last * hdr.shape.layer_bytes
+    if a.nbytes < end:
+        raise RecordTruncated(f"{a.nbytes} bytes, layers up to {last} need {end}")
+    lb = hdr.shape.layer_bytes
+    mv = memoryview(a)
+    for j in range(first, last):
+        off = hdr.header_bytes + j * lb
+        if xxhash.xxh3_64_intdigest(mv[off : off + lb]) != hdr.layer_sums[j]:
+            raise ChecksumMismatch(f"layer {j} payload checksum mismatch (key {hdr.key.hex()})")
+    return hdr
+
+
+def decode_block(buf, layout: EngineLayout, block_id: int, *, namespace: bytes, key: bytes) -> RecordHeader:
+    """Verify a record and scatter it into engine block ``block_id``.
+
+    The header (identity, shape, checksum table) is verified before anything is copied; then each
+    layer is verified and copied while it is in cache. Only verified bytes ever reach the engine:
+    on a ``ChecksumMismatch`` in layer ``j`` the block holds verified layers ``< j`` and its old
+    contents from ``j`` on, and the caller must treat the whole block as not loaded (recompute).
+    """
+    a = _as_u8(buf)
+    hdr = decode_header(a)
+    _check_identity(hdr, namespace, key, layout.shape)
+    hb, lb, nl = hdr.header_bytes, hdr.shape.layer_bytes, hdr.shape.num_layers
+    if a.nbytes < hb + nl * lb:
+        raise RecordTruncated(f"{a.nbytes} bytes, record needs {hb + nl * lb}")
+    sums = hdr.layer_sums
+    h64 = xxhash.xxh3_64_intdigest
+    mv = memoryview(a)
+    if layout.is_cuda:
+        import torch
+
+        verify_record(a, namespace=namespace, key=key, shape=layout.shape)  # all before the async copies
+        t = torch.from_numpy(a)
+        for j in range(nl):
+            layout.scatter_layer(block_id, j, t[hb + j * lb : hb + (j + 1) * lb])
+        layout.synchronize()
+        return hdr
+    views = layout.layer_views
+    layers = a[hb : hb + nl * lb].reshape(nl, *views[0].shape[1:])
+    copyto = np.copyto
+    for j in range(nl):
+        if h64(mv[hb + j * lb : hb + (j + 1) * lb]) != sums[j]:
+            raise ChecksumMismatch(f"layer {j} payload checksum mismatch (key {hdr.key.hex()})")
+        copyto(views[j][block_id], layers[j])
+    return hdr
+
+
+def _check_identity(hdr: RecordHeader, namespace: bytes | None, key: bytes | None, shape: BlockShape | None) -> None:
     if namespace is not None and hdr.namespace != namespace:
         raise NamespaceMismatch("record belongs to another namespace (model, layout or tenant)")
     if key is not None and hdr.key != key:
         raise KeyMismatch(f"record key {hdr.key.hex()} != expected {key.hex()}")
     if shape is not None and hdr.shape != shape:
         raise LayoutMismatch(f"record shape {hdr.shape} does not fit engine shape {shape}")
-    first, last = layers or (0, hdr.shape.num_layers)
-    end = hdr.header_bytes + last * hdr.shape.layer_bytes
-    if a.nbytes < end:
-        raise RecordTruncated(f"{a.nbytes} bytes, layers up to {last} need {end}")
-    lb = hdr.shape.layer_bytes
-    for j in range(first, last):
-        off = hdr.header_bytes + j * lb
-        if xxhash.xxh3_64_intdigest(a[off : off + lb]) != hdr.layer_sums[j]:
-            raise ChecksumMismatch(f"layer {j} payload checksum mismatch (key {hdr.key.hex()})")
-    return hdr
-
-
-def decode_block(buf, layout: EngineLayout, block_id: int, *, namespace: bytes, key: bytes) -> RecordHeader:
-    """Verify a record completely, then scatter it into engine block ``block_id``.
-
-    On any error the engine block is left untouched.
-    """
-    a = _as_u8(buf)
-    hdr = verify_record(a, namespace=namespace, key=key, shape=layout.shape)
-    hb, lb = hdr.header_bytes, hdr.shape.layer_bytes
-    if layout.is_cuda:
-        import torch
-
-        t = torch.from_numpy(a)
-        for j in range(hdr.shape.num_layers):
-            layout.scatter_layer(block_id, j, t[hb + j * lb : hb + (j + 1) * lb])
-        layout.synchronize()
-    else:
-        for j in range(hdr.shape.num_layers):
-            layout.scatter_layer(block_id, j, a[hb + j * lb : hb + (j + 1) * lb])
-    return hdr
 
 
 def payload_view(buf, *, namespace: bytes | None = None, key: bytes | None = None) -> np.ndarray:

@@ -149,11 +149,13 @@ class EngineLayout:
             CANONICAL_OF[kind], DType.from_torch(layers[0].dtype), num_layers, block_size, num_kv_heads, head_size
         )
         self.tensors = list(layers)
-        self._views = [self._block_view(t) for t in layers]
-        self.num_blocks = int(self._views[0].shape[0])
         self.is_cuda = self.device.type == "cuda"
-        if not self.is_cuda:
-            self._views = [v.numpy() for v in self._views]
+        views = [self._block_view(t) for t in layers]
+        if kind is EngineLayoutKind.KVBM_FC:  # one tensor -> a [block][1][bytes] view per layer
+            views = [views[0][:, j].unsqueeze(1) for j in range(num_layers)]
+        self.num_blocks = int(views[0].shape[0])
+        #: per layer, a byte view indexed [block][plane][bytes]; numpy on CPU, torch on CUDA
+        self.layer_views = views if self.is_cuda else [v.numpy() for v in views]
 
     def _block_view(self, t: torch.Tensor) -> torch.Tensor:
         """A uint8 view indexed [block][plane][bytes] (plane count = 1 if contiguous per block)."""
@@ -182,20 +184,15 @@ class EngineLayout:
             return b.reshape(t.shape[0], s.num_layers, s.layer_bytes)  # [block][layer][bytes]
         return b.reshape(t.shape[0], 1, s.layer_bytes)  # block-contiguous per layer
 
-    def _src(self, block_id: int, layer: int):  # np.ndarray | torch.Tensor, [planes, bytes]
-        if self.kind is EngineLayoutKind.KVBM_FC:
-            return self._views[0][block_id, layer]
-        return self._views[layer][block_id]
-
     def gather_layer(self, block_id: int, layer: int, dest) -> None:  # dest: np.ndarray | Tensor
-        src = self._src(block_id, layer)
+        src = self.layer_views[layer][block_id]
         if self.is_cuda:
             dest.view(src.shape).copy_(src, non_blocking=True)
         else:
             np.copyto(dest.reshape(src.shape), src)
 
     def scatter_layer(self, block_id: int, layer: int, src) -> None:
-        dst = self._src(block_id, layer)
+        dst = self.layer_views[layer][block_id]
         if self.is_cuda:
             dst.copy_(src.view(dst.shape), non_blocking=True)
         else:

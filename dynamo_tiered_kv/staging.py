@@ -8,6 +8,7 @@ allowed) so the hot path never takes a page fault. Nothing on the hot path alloc
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -54,10 +55,8 @@ class Slab:
         # Drop the numpy/torch aliases before closing the mapping.
         self.tensor = None  # type: ignore[assignment]
         self.array = None  # type: ignore[assignment]
-        try:
+        with contextlib.suppress(BufferError):  # a caller still holds a view; the mapping dies with it
             self._mmap.close()
-        except BufferError:  # a caller still holds a view; the mapping dies with it
-            pass
 
 
 def _cuda_host_register(addr: int, nbytes: int) -> bool:
