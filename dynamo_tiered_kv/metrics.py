@@ -1,0 +1,110 @@
+"""Prometheus metrics of one ``TieredStore``, per tier.
+
+Every store gets its own ``CollectorRegistry`` (tests create many stores in one process, and
+the default global registry refuses duplicate names). ``serve(port)`` exposes it over HTTP.
+
+Names (all prefixed ``dtkv_``; ``tier`` is the tier's ``name``):
+
+    tier_hits_total{tier}            blocks served (read and verified) from the tier
+    tier_misses_total{tier}          blocks the tier was asked for and could not serve
+    tier_read_bytes_total{tier}      bytes read from the tier
+    tier_written_bytes_total{tier}   bytes written to the tier (offload, promotion)
+    tier_read_seconds{tier}          latency of one batched read (histogram)
+    tier_write_seconds{tier}         latency of one batched write (histogram)
+    tier_errors_total{tier,op}       reads/writes that raised (tier down, full, I/O error)
+    checksum_failures_total{tier}    records that failed verification (dropped, recomputed)
+    tier_capacity_bytes{tier}        capacity bound          (gauges, read at scrape time)
+    tier_used_bytes{tier}            bytes in use
+    tier_blocks{tier}                blocks stored
+    lookup_blocks_total{tier}        blocks found by lookup, by fastest tier ("none" = first miss)
+    offload_blocks_total             blocks accepted for offload
+    offload_dropped_total{reason}    offload batches dropped (queue_full, no_staging, too_large, closed)
+    load_failed_blocks_total         blocks reported to the engine as failed loads
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .tiers.base import Tier
+
+log = logging.getLogger(__name__)
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class _UsageCollector(Collector):
+    """Reads ``Tier.usage()`` at scrape time, so the gauges are never stale."""
+
+    def __init__(self, tiers: Callable[[], Sequence[Tier]]) -> None:
+        self._tiers = tiers
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        cap = GaugeMetricFamily("dtkv_tier_capacity_bytes", "capacity bound of the tier", labels=["tier"])
+        used = GaugeMetricFamily("dtkv_tier_used_bytes", "bytes stored in the tier", labels=["tier"])
+        blocks = GaugeMetricFamily("dtkv_tier_blocks", "blocks stored in the tier", labels=["tier"])
+        for t in self._tiers():
+            try:
+                u = t.usage()
+            except Exception:  # a broken tier must not break the scrape
+                continue
+            cap.add_metric([t.name], u.capacity_bytes)
+            used.add_metric([t.name], u.used_bytes)
+            blocks.add_metric([t.name], u.num_blocks)
+        yield from (cap, used, blocks)
+
+
+class StoreMetrics:
+    """The counters and histograms a store updates; see the module docstring for names."""
+
+    def __init__(self, tiers: Sequence[Tier] = (), registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.hits = Counter("dtkv_tier_hits", "blocks served from the tier", ["tier"], registry=r)
+        self.misses = Counter("dtkv_tier_misses", "blocks the tier could not serve", ["tier"], registry=r)
+        self.read_bytes = Counter("dtkv_tier_read_bytes", "bytes read from the tier", ["tier"], registry=r)
+        self.written_bytes = Counter("dtkv_tier_written_bytes", "bytes written to the tier", ["tier"],
+                                     registry=r)
+        self.read_seconds = Histogram("dtkv_tier_read_seconds", "batched read latency", ["tier"],
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.write_seconds = Histogram("dtkv_tier_write_seconds", "batched write latency", ["tier"],
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.errors = Counter("dtkv_tier_errors", "tier operations that raised", ["tier", "op"], registry=r)
+        self.checksum_failures = Counter("dtkv_checksum_failures", "records that failed verification",
+                                         ["tier"], registry=r)
+        self.lookup_blocks = Counter("dtkv_lookup_blocks", "blocks found by lookup, by fastest tier",
+                                     ["tier"], registry=r)
+        self.offload_blocks = Counter("dtkv_offload_blocks", "blocks accepted for offload", registry=r)
+        self.offload_dropped = Counter("dtkv_offload_dropped", "offload batches dropped", ["reason"],
+                                       registry=r)
+        self.load_failed_blocks = Counter("dtkv_load_failed_blocks", "blocks reported as failed loads",
+                                          registry=r)
+        self._tiers = list(tiers)
+        r.register(_UsageCollector(lambda: self._tiers))
+        self._server = None
+
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of a sample (0.0 if never set). ``name`` without the ``dtkv_`` prefix."""
+        full = f"dtkv_{name}"
+        v = self.registry.get_sample_value(full, labels)
+        if v is None:
+            v = self.registry.get_sample_value(f"{full}_total", labels)
+        return float(v or 0.0)
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Serve ``/metrics`` on ``port`` (0 picks a free one). Returns the bound port."""
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        self._server = server
+        bound = int(server.server_address[1])
+        log.info("dtkv metrics on http://%s:%d/metrics", addr, bound)
+        return bound
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,564 @@
+"""``TieredStore``: lookup, offload and onboard of KV blocks across tiers (fast -> slow).
+
+Threads and ownership
+---------------------
+The store is the one component that owns an asyncio event loop: it runs on a private daemon
+thread (``dtkv-store``), tiers' coroutines and background tasks (the flusher) run there. Engine
+threads only use the synchronous facade:
+
+* ``lookup`` reads the tiers' in-memory indexes (``Tier.contains``): no I/O, no await.
+* ``submit_offload`` never waits: it takes a staging slab with ``try_acquire(0)``, gathers and
+  encodes the blocks into it (memcpy speed; the engine may overwrite its blocks as soon as we
+  return, so the copy cannot be deferred), and hands the slab to the loop. A full queue or an
+  empty staging pool drops the batch and counts it (architecture rule 1).
+* ``load`` is called when the engine must wait anyway: the loop reads records into a slab, then
+  the *calling* thread verifies each record and scatters it into the engine. Scattering on the
+  caller's thread means a timed-out load can never write into engine blocks later; an abandoned
+  read releases its slab itself when the tier returns.
+
+Writes go to the first ``write_depth`` tiers (host, SSD); slower tiers (objects) are fed by
+background tasks such as the segment flusher. The host tier admits every block; lower written
+tiers follow the admission policy. Loaded blocks are promoted into faster tiers off the caller's
+thread, reusing the slab they were read into.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from .codec import decode_block, encode_blocks, record_bytes
+from .errors import RecordError, TierFull, TierUnavailable
+from .keys import BlockKey, Namespace
+from .layout import EngineLayout
+from .metrics import StoreMetrics
+from .staging import Slab, StagingPool
+from .tiers.base import ReadRequest, Tier
+
+log = logging.getLogger(__name__)
+AdmissionPolicy = Literal["always", "second_hit"]
+
+
+class Background(Protocol):
+    """A long-running task the store drives on its loop (e.g. the SSD -> object flusher)."""
+
+    async def run(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """Longest restorable prefix: ``num_blocks`` leading keys, and the fastest tier of each."""
+
+    num_blocks: int
+    tier_per_block: tuple[str, ...] = ()
+
+
+@dataclass
+class LoadResult:
+    """Engine block ids restored (verified and scattered) and those the engine must recompute.
+
+    Failures form a suffix: after the first failed block every later block is reported failed,
+    since the engine recomputes a prefix from its first missing block on.
+    """
+
+    loaded_block_ids: list[int] = field(default_factory=list)
+    failed_block_ids: list[int] = field(default_factory=list)
+    tier_per_block: list[str] = field(default_factory=list)  # source tier of each loaded block
+
+
+class Admission:
+    """Which lower tiers a block is written to. The host tier (index 0) admits everything.
+
+    ``always``: every offloaded block goes down to every written tier.
+    ``second_hit``: a block goes below the host tier only once it has been seen twice (offloaded
+    or loaded again), kvblockd's rule: one-off prefixes never cost SSD writes.
+    ``min_prefix_blocks``: sequences shorter than this are not offloaded at all.
+    """
+
+    def __init__(self, policy: AdmissionPolicy = "always", min_prefix_blocks: int = 1,
+                 memory: int = 1 << 16) -> None:
+        if policy not in ("always", "second_hit"):
+            raise ValueError(f"unknown admission policy {policy!r}")
+        self.policy = policy
+        self.min_prefix_blocks = max(1, min_prefix_blocks)
+        self._seen: OrderedDict[BlockKey, int] = OrderedDict()
+        self._memory = memory
+        self._lock = threading.Lock()
+
+    def sight(self, key: BlockKey) -> int:
+        """Record one sighting of ``key``; return how often it has been seen (bounded memory)."""
+        with self._lock:
+            n = self._seen.pop(key, 0) + 1
+            self._seen[key] = n
+            if len(self._seen) > self._memory:
+                self._seen.popitem(last=False)
+            return n
+
+    def admits(self, tier_index: int, sightings: int) -> bool:
+        return tier_index == 0 or self.policy == "always" or sightings >= 2
+
+
+class _Ttl:
+    """Write times of keys this store put into one tier, oldest first, for retention sweeps."""
+
+    def __init__(self, ttl_s: float | None) -> None:
+        self.ttl_s = ttl_s
+        self.written: OrderedDict[BlockKey, float] = OrderedDict()
+
+    def touch(self, key: BlockKey, now: float) -> None:
+        if self.ttl_s is not None:
+            self.written.pop(key, None)
+            self.written[key] = now
+
+    def expired(self, now: float) -> list[BlockKey]:
+        out: list[BlockKey] = []
+        if self.ttl_s is None:
+            return out
+        while self.written:
+            key, t = next(iter(self.written.items()))
+            if now - t < self.ttl_s:
+                break
+            self.written.popitem(last=False)
+            out.append(key)
+        return out
+
+
+class _Handoff:
+    """Who releases a load slab: the reader if the caller gave up waiting, else the caller."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.abandoned = False
+        self.done = False
+
+
+class TieredStore:
+    """Tiered KV block store with a synchronous, never-blocking engine facade.
+
+    Args:
+        tiers: fastest first (host, SSD, objects). Each is opened on the store's loop.
+        namespace: identity written into and checked against every record.
+        staging: slabs used for every transfer; the pool bounds memory and in-flight work.
+        admission: ``"always"``, ``"second_hit"`` or an ``Admission`` instance.
+        min_prefix_blocks: used when ``admission`` is a policy name.
+        max_pending_offloads: offload batches queued on the loop before new ones are dropped.
+        write_depth: how many leading tiers the store writes itself (default: host and the next).
+        ttl_s: retention per tier (None = no expiry), applied to blocks this store wrote.
+        background: long-running tasks started on the loop and stopped on ``close``.
+        metrics_port: serve Prometheus metrics on this port (None = off, 0 = any free port).
+    """
+
+    def __init__(self, tiers: Sequence[Tier], namespace: Namespace, staging: StagingPool, *,
+                 admission: AdmissionPolicy | Admission = "always", min_prefix_blocks: int = 1,
+                 max_pending_offloads: int = 64, write_depth: int = 2,
+                 ttl_s: Sequence[float | None] | None = None, background: Sequence[Background] = (),
+                 metrics_port: int | None = None, sweep_interval_s: float = 5.0) -> None:
+        if not tiers:
+            raise ValueError("TieredStore needs at least one tier")
+        self.tiers = list(tiers)
+        self.namespace = namespace
+        self.staging = staging
+        self.admission = admission if isinstance(admission, Admission) else Admission(admission,
+                                                                                       min_prefix_blocks)
+        self.max_pending_offloads = max_pending_offloads
+        self.write_depth = max(1, min(write_depth, len(self.tiers)))
+        ttls = list(ttl_s or [])
+        self._ttl = [_Ttl(ttls[i] if i < len(ttls) else None) for i in range(len(self.tiers))]
+        self.metrics = StoreMetrics(self.tiers)
+        self.metrics_port = self.metrics.serve(metrics_port) if metrics_port is not None else None
+        self._ns_digest = namespace.digest
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+        self._idle = threading.Condition(self._pending_lock)
+        self._closed = False
+        self._sweep_interval_s = sweep_interval_s
+        self._background = list(background)
+        self._bg_tasks: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="dtkv-store", daemon=True)
+        self._thread.start()
+        self._call(self._start(), timeout=120)
+
+    # --- lifecycle -----------------------------------------------------------------------
+    async def _start(self) -> None:
+        for t in self.tiers:
+            await t.open()
+        for b in self._background:
+            self._bg_tasks.append(asyncio.ensure_future(self._run_background(b)))
+        if any(t.ttl_s is not None for t in self._ttl):
+            self._bg_tasks.append(asyncio.ensure_future(self._sweep_forever()))
+
+    async def _run_background(self, b: Background) -> None:
+        try:
+            await b.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("background task %r failed; the store keeps serving without it", b)
+
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Drain queued offloads, stop background tasks, close tiers and the loop. Idempotent."""
+        if self._closed:
+            return
+        self.drain(timeout)
+        self._closed = True
+        try:
+            self._call(self._shutdown(), timeout=timeout)
+        except Exception:
+            log.exception("store shutdown did not finish cleanly")
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._loop.close()
+        self.metrics.close()
+
+    async def _shutdown(self) -> None:
+        for b in self._background:
+            try:
+                await asyncio.wait_for(b.stop(), 10)
+            except Exception:
+                log.exception("background task %r did not stop cleanly", b)
+        for task in self._bg_tasks:
+            task.cancel()
+        await asyncio.gather(*self._bg_tasks, return_exceptions=True)
+        for t in self.tiers:
+            try:
+                await t.close()
+            except Exception:
+                log.exception("closing tier %s failed", t.name)
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- lookup ----------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
+        """Longest prefix of ``keys`` held by any tier, with the fastest tier of each block.
+
+        Memory only (``Tier.contains``); safe on the scheduler's hot path.
+        """
+        names: list[str] = []
+        for k in keys:
+            for t in self.tiers:
+                if t.contains(k):
+                    names.append(t.name)
+                    break
+            else:
+                self.metrics.lookup_blocks.labels("none").inc()
+                break
+        for name in names:
+            self.metrics.lookup_blocks.labels(name).inc()
+        return LookupResult(len(names), tuple(names))
+
+    # --- offload ---------------------------------------------------------------------------
+    def submit_offload(self, layout: EngineLayout, block_ids: Sequence[int], keys: Sequence[BlockKey],
+                       parents: Sequence[BlockKey], *, first_index: int = 0) -> bool:
+        """Copy finished engine blocks into staging now; write them to the tiers in the background.
+
+        Args:
+            first_index: position of ``block_ids[0]`` in its sequence (for ``min_prefix_blocks``).
+
+        Returns:
+            True if the blocks were accepted (or every target tier already has them); False if
+            the batch was dropped (queue full, no free slab, store closed). Never blocks.
+        """
+        if not (len(block_ids) == len(keys) == len(parents)):
+            raise ValueError("block_ids, keys and parents must have the same length")
+        if self._closed:
+            self.metrics.offload_dropped.labels("closed").inc()
+            return False
+        if first_index + len(block_ids) < self.admission.min_prefix_blocks:
+            return True  # too short to be worth storing: not an error, not a drop
+        # Per block: the written tiers that lack it and admit it.
+        todo: list[tuple[int, list[int]]] = []
+        for i, k in enumerate(keys):
+            seen = self.admission.sight(k)
+            targets = [ti for ti in range(self.write_depth)
+                       if not self.tiers[ti].contains(k) and self.admission.admits(ti, seen)]
+            if targets:
+                todo.append((i, targets))
+        if not todo:
+            return True
+        rb = record_bytes(layout.shape)
+        per_slab = self.staging.slab_bytes // rb
+        if per_slab == 0:
+            self.metrics.offload_dropped.labels("too_large").inc()
+            return False
+        accepted_all = True
+        for c in range(0, len(todo), per_slab):
+            chunk = todo[c:c + per_slab]
+            if not self._reserve_pending():
+                self.metrics.offload_dropped.labels("queue_full").inc()
+                return False
+            slab = self.staging.try_acquire(0)
+            if slab is None:
+                self._finish_pending()
+                self.metrics.offload_dropped.labels("no_staging").inc()
+                return False
+            try:
+                encode_blocks(layout, [block_ids[i] for i, _ in chunk], [self._ns_digest] * len(chunk),
+                              [keys[i] for i, _ in chunk], [parents[i] for i, _ in chunk], slab.array)
+            except Exception:
+                self.staging.release(slab)
+                self._finish_pending()
+                log.exception("encoding blocks for offload failed; batch dropped")
+                self.metrics.offload_dropped.labels("encode_error").inc()
+                accepted_all = False
+                continue
+            plan = [(j, keys[i], targets) for j, (i, targets) in enumerate(chunk)]
+            self.metrics.offload_blocks.inc(len(plan))
+            self._schedule(self._write_slab(slab, rb, plan), reserved=True)
+        return accepted_all
+
+    def _reserve_pending(self) -> bool:
+        with self._pending_lock:
+            if self._pending >= self.max_pending_offloads:
+                return False
+            self._pending += 1
+            return True
+
+    def _finish_pending(self) -> None:
+        with self._pending_lock:
+            self._pending -= 1
+            if self._pending == 0:
+                self._idle.notify_all()
+
+    def _schedule(self, coro, *, reserved: bool = False) -> None:
+        """Run ``coro`` on the loop; ``drain`` waits for it. ``reserved``: the caller already counted it."""
+        if not reserved:
+            with self._pending_lock:
+                self._pending += 1  # promotions and repairs are never refused: their slab is already ours
+        self._loop.call_soon_threadsafe(self._spawn, coro)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self._finish_pending()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("store task failed", exc_info=task.exception())
+
+    async def _write_slab(self, slab: Slab, rb: int, plan: Sequence[tuple[int, BlockKey, Sequence[int]]]) -> None:
+        """Write records ``plan = [(slot in slab, key, tier indexes)]`` in order, then free the slab."""
+        try:
+            by_tier: dict[int, list[tuple[BlockKey, memoryview]]] = {}
+            for j, key, targets in plan:
+                view = memoryview(slab.array[j * rb:(j + 1) * rb])
+                for ti in targets:
+                    by_tier.setdefault(ti, []).append((key, view))
+            for ti in sorted(by_tier):
+                await self._write_tier(ti, by_tier[ti])
+        finally:
+            self.staging.release(slab)
+
+    async def _write_tier(self, ti: int, items: list[tuple[BlockKey, memoryview]]) -> None:
+        tier = self.tiers[ti]
+        t0 = time.perf_counter()
+        try:
+            await tier.write_many(items)
+        except (TierUnavailable, TierFull, OSError) as e:
+            self.metrics.errors.labels(tier.name, "write").inc()
+            log.warning("write of %d blocks to tier %s failed: %s", len(items), tier.name, e)
+            return
+        except Exception:
+            self.metrics.errors.labels(tier.name, "write").inc()
+            log.exception("write of %d blocks to tier %s failed", len(items), tier.name)
+            return
+        self.metrics.write_seconds.labels(tier.name).observe(time.perf_counter() - t0)
+        self.metrics.written_bytes.labels(tier.name).inc(sum(v.nbytes for _, v in items))
+        now = time.monotonic()
+        for key, _ in items:
+            self._ttl[ti].touch(key, now)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every accepted offload has been written (tests, shutdown)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    flush = drain
+
+    @property
+    def pending_offloads(self) -> int:
+        return self._pending
+
+    # --- load ------------------------------------------------------------------------------
+    def load(self, layout: EngineLayout, block_ids: Sequence[int], keys: Sequence[BlockKey],
+             timeout: float | None = 30.0) -> LoadResult:
+        """Restore ``keys`` into engine blocks ``block_ids``, verifying every record.
+
+        Returns which blocks were restored and which the engine must recompute. Never raises for
+        a tier fault, a missing or corrupt record, or a timeout: those blocks (and every block
+        after the first of them) are reported failed.
+        """
+        if len(block_ids) != len(keys):
+            raise ValueError("block_ids and keys must have the same length")
+        res = LoadResult()
+        n = len(block_ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        rb = record_bytes(layout.shape)
+        per_slab = self.staging.slab_bytes // rb
+        i = 0
+        while i < n and per_slab > 0 and not self._closed:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            slab = self.staging.try_acquire(remaining)
+            if slab is None:
+                break
+            start, end = i, min(n, i + per_slab)
+            sources = self._read_chunk(slab, rb, keys[start:end], remaining)
+            if sources is None:  # timed out; the reader frees the slab
+                break
+            promote: list[tuple[int, BlockKey, list[int]]] = []
+            ok = 0
+            for j, src in enumerate(sources):
+                if src is None:
+                    break
+                b, k = block_ids[start + j], keys[start + j]
+                try:
+                    decode_block(slab.array[j * rb:(j + 1) * rb], layout, b, namespace=self._ns_digest, key=k)
+                except RecordError as e:
+                    tier = self.tiers[src]
+                    log.warning("block %s from tier %s failed verification (%s); recomputing",
+                                k.hex(), tier.name, e)
+                    self.metrics.checksum_failures.labels(tier.name).inc()
+                    self.metrics.misses.labels(tier.name).inc()
+                    self._schedule(self._forget(src, k))
+                    break
+                self.metrics.hits.labels(self.tiers[src].name).inc()
+                res.loaded_block_ids.append(b)
+                res.tier_per_block.append(self.tiers[src].name)
+                ok += 1
+                seen = self.admission.sight(k)
+                targets = [ti for ti in range(self.write_depth)
+                           if ti != src and not self.tiers[ti].contains(k) and self.admission.admits(ti, seen)]
+                if targets:
+                    promote.append((j, k, targets))
+            if promote:
+                self._schedule(self._write_slab(slab, rb, promote))
+            else:
+                self.staging.release(slab)
+            i += ok
+            if ok < end - start:
+                break
+        res.failed_block_ids = list(block_ids[len(res.loaded_block_ids):])
+        if res.failed_block_ids:
+            self.metrics.load_failed_blocks.inc(len(res.failed_block_ids))
+        return res
+
+    def _read_chunk(self, slab: Slab, rb: int, keys: Sequence[BlockKey],
+                    timeout: float | None) -> list[int | None] | None:
+        """Read ``keys`` into the slab on the loop. Returns each block's source tier (None from the
+        first unreadable block on), or None on timeout (the slab is then released by the reader)."""
+        hand = _Handoff()
+        fut = asyncio.run_coroutine_threadsafe(self._read_into_slab(slab, rb, keys, hand), self._loop)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            with hand.lock:
+                if not hand.done:
+                    hand.abandoned = True
+                    log.warning("load of %d blocks timed out after %.1fs; recomputing", len(keys), timeout)
+                    return None
+            return fut.result()
+
+    async def _read_into_slab(self, slab: Slab, rb: int, keys: Sequence[BlockKey],
+                              hand: _Handoff) -> list[int | None]:
+        sources: list[int | None] = [None] * len(keys)
+        try:
+            # Runs of consecutive blocks whose fastest tier is the same: one read_many per run.
+            j = 0
+            while j < len(keys):
+                ti = self._fastest(keys[j])
+                if ti is None:
+                    self.metrics.misses.labels("none").inc()
+                    break
+                run_end = j + 1
+                while run_end < len(keys) and self._fastest(keys[run_end]) == ti:
+                    run_end += 1
+                got = await self._read_run(ti, slab, rb, keys, j, run_end)
+                for g in range(got):
+                    sources[j + g] = ti
+                if got < run_end - j:
+                    break
+                j = run_end
+            return sources
+        finally:
+            with hand.lock:
+                hand.done = True
+                abandoned = hand.abandoned
+            if abandoned:
+                self.staging.release(slab)
+
+    def _fastest(self, key: BlockKey) -> int | None:
+        for ti, t in enumerate(self.tiers):
+            if t.contains(key):
+                return ti
+        return None
+
+    async def _read_run(self, ti: int, slab: Slab, rb: int, keys: Sequence[BlockKey], start: int, end: int) -> int:
+        """Read keys[start:end] from tier ``ti`` into slab slots; return how many leading ones arrived."""
+        tier = self.tiers[ti]
+        reqs = [ReadRequest(keys[j], memoryview(slab.array[j * rb:(j + 1) * rb])) for j in range(start, end)]
+        t0 = time.perf_counter()
+        try:
+            results = await tier.read_many(reqs)
+        except Exception as e:
+            self.metrics.errors.labels(tier.name, "read").inc()
+            self.metrics.misses.labels(tier.name).inc(end - start)
+            log.warning("read of %d blocks from tier %s failed: %s", end - start, tier.name, e)
+            return 0
+        self.metrics.read_seconds.labels(tier.name).observe(time.perf_counter() - t0)
+        got = 0
+        for r in results:
+            if r is None or r < rb:
+                break
+            got += 1
+        self.metrics.read_bytes.labels(tier.name).inc(got * rb)
+        if got < end - start:
+            self.metrics.misses.labels(tier.name).inc(end - start - got)
+        return got
+
+    async def _forget(self, ti: int, key: BlockKey) -> None:
+        """Delete a record that failed verification so lookups stop offering it."""
+        try:
+            await self.tiers[ti].delete(key)
+        except Exception as e:
+            log.warning("could not delete corrupt block %s from tier %s: %s", key.hex(), self.tiers[ti].name, e)
+
+    # --- retention -----------------------------------------------------------------------------
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._sweep_interval_s)
+            await self.sweep()
+
+    async def sweep(self, now: float | None = None) -> int:
+        """Delete blocks older than their tier's TTL (only those this store wrote). Returns count."""
+        now = time.monotonic() if now is None else now
+        n = 0
+        for ti, ttl in enumerate(self._ttl):
+            for key in ttl.expired(now):
+                try:
+                    n += bool(await self.tiers[ti].delete(key))
+                except Exception as e:
+                    log.warning("TTL delete from tier %s failed: %s", self.tiers[ti].name, e)
+        return n
+
+    def sweep_now(self, now: float | None = None) -> int:
+        """Synchronous ``sweep`` for tests and tools."""
+        return self._call(self.sweep(now), timeout=60)
