@@ -159,15 +159,15 @@ def encode_blocks(
     if layout.is_cuda:
         import torch
 
-        tdst = torch.from_numpy(dst)
-        for i, b in enumerate(block_ids):
-            base = i * rb + hb
-            for layer in range(nl):
-                layout.gather_layer(b, layer, tdst[base + layer * lb : base + (layer + 1) * lb])
+        from kernels import gather_records
+
+        ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+        gather_records(layout.layer_views, ids, torch.from_numpy(dst), record_bytes=rb, header_bytes=hb, layer_bytes=lb)
         layout.synchronize()
+        mv = memoryview(dst)
         for i in range(n):
             base = i * rb + hb
-            sums = [xxhash.xxh3_64_intdigest(dst[base + j * lb : base + (j + 1) * lb]) for j in range(nl)]
+            sums = [xxhash.xxh3_64_intdigest(mv[base + j * lb : base + (j + 1) * lb]) for j in range(nl)]
             _finish(dst[i * rb : (i + 1) * rb], shape, layout.kind, namespaces[i], keys[i], parents[i], sums)
         return n * rb
     views = layout.layer_views
@@ -321,10 +321,17 @@ def decode_block(buf, layout: EngineLayout, block_id: int, *, namespace: bytes, 
     if layout.is_cuda:
         import torch
 
-        verify_record(a, namespace=namespace, key=key, shape=layout.shape)  # all before the async copies
-        t = torch.from_numpy(a)
-        for j in range(nl):
-            layout.scatter_layer(block_id, j, t[hb + j * lb : hb + (j + 1) * lb])
+        from kernels import scatter_records
+
+        verify_record(a, namespace=namespace, key=key, shape=layout.shape)  # all of it before the async copy
+        scatter_records(
+            torch.from_numpy(a),
+            layout.layer_views,
+            torch.tensor([block_id]),
+            record_bytes=hdr.record_bytes,
+            header_bytes=hb,
+            layer_bytes=lb,
+        )
         layout.synchronize()
         return hdr
     views = layout.layer_views
