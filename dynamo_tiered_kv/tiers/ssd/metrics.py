@@ -1,0 +1,18 @@
+"""Prometheus metrics of the SSD tier (process-wide; every SSDTier instance adds to them)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+BYTES_WRITTEN = Counter("dtkv_ssd_written_bytes", "Record bytes appended to SSD segments")
+BYTES_READ = Counter("dtkv_ssd_read_bytes", "Bytes read from SSD segments")
+READ_ERRORS = Counter("dtkv_ssd_read_errors", "SSD reads that failed with an I/O error (served as misses)")
+CHECKSUM_FAILURES = Counter("dtkv_ssd_checksum_failures", "SSD records that failed verification on read")
+EVICTED_SEGMENTS = Counter("dtkv_ssd_evicted_segments", "Whole segments evicted for capacity")
+SEALED_SEGMENTS = Counter("dtkv_ssd_sealed_segments", "Segments sealed with a footer")
+TORN_TAIL_BYTES = Counter("dtkv_ssd_torn_tail_bytes", "Bytes truncated from unsealed segments at recovery")
+DEGRADED = Counter("dtkv_ssd_degraded", "Times the SSD tier stopped accepting writes", ["reason"])
+DISABLED = Gauge("dtkv_ssd_disabled", "1 while an SSD tier in this process is disabled (no SSD tier)")
+USED_BYTES = Gauge("dtkv_ssd_used_bytes", "Bytes of segment files held by the SSD tier")
+GDS_AVAILABLE = Gauge("dtkv_ssd_gds_available", "GPUDirect Storage probe verdict (1 usable, 0 host bounce)")
+IO_PATH = Gauge("dtkv_ssd_io_path", "I/O path in use (1 for the selected one)", ["path"])

@@ -1,0 +1,664 @@
+"""G3 SSD tier: append-only segment files in a per-rank directory, with a compact index.
+
+Data path: ``write_many`` appends a run of records back to back into the open segment with one
+I/O request (NIXL POSIX/io_uring or pwritev, O_DIRECT) and, with ``fsync``, one ``fdatasync``;
+only then does the index expose the keys. ``read_many`` looks keys up in memory, sorts the hits
+and reads every run of adjacent records of one segment with one request, straight into the
+caller's buffers when they are page aligned (staging slabs are), through a bounce buffer
+otherwise. A full or idle segment is sealed with a footer; eviction drops whole sealed segments,
+least recently used first. Format, crash contract and concurrency rule: docs/SSD.md.
+
+Threads: all mutations (append, seal, delete, evict) run on one writer thread, so appends are
+ordered; reads run in the default executor concurrently with it. ``self._lock`` guards the index
+and segment table, never I/O except the small footer read during an eviction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ...codec import ALIGN, verify_record
+from ...errors import RecordError, TierFull, TierUnavailable
+from ...keys import KEY_BYTES, BlockKey
+from ..base import ByteRange, ReadRequest, Tier, TierCapabilities, TierUsage, check_range
+from ..segments import SealedSegment, SegmentEntry
+from . import metrics
+from .index import CompactIndex
+from .io import GdsVerdict, PosixIO, aligned_buffer, as_u8, probe_gds, read_extent, select_io, write_extent
+from .recovery import fsync_dir, load_tombstones, recover_segments
+from .segment import LOCK_FILE, TOMBSTONE_FILE, build_footer, flushed_marker, footer_bytes, pack_tombstone, \
+    read_footer_at, segment_name
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SEGMENT_BYTES = 256 << 20
+BOUNCE_BYTES = 8 << 20
+_DEGRADING_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM, errno.EFBIG}
+
+
+@dataclass(eq=False)
+class _Segment:
+    seq: int
+    path: Path
+    fd: int
+    data_bytes: int
+    size: int  # bytes the file holds (sealed) or will hold once sealed (open: data + footer)
+    sealed: bool
+    flushed: bool = False
+    sealed_at: float = 0.0
+    last_used: int = 0
+    pins: int = 0
+    readers: int = 0
+    dead: bool = False
+    entries: list[tuple[bytes, int, int]] = field(default_factory=list)  # open segment only
+    sealed_entries: tuple[SegmentEntry, ...] | None = None  # cached for the flusher
+
+
+class SSDTier(Tier):
+    """Segment-log SSD tier. Constructor keyword arguments are its config schema.
+
+    Args:
+        path: root directory; this worker uses ``<path>/rank-<rank>/`` exclusively (flock).
+        capacity_bytes: byte budget for all segment files of this rank, enforced on every write.
+        segment_bytes: target segment size (records + footer). Clamped to ``capacity_bytes // 4``
+            so eviction, which works on whole segments, has room to work.
+        rank: worker rank (TP rank); selects the subdirectory.
+        io: ``auto`` (NIXL POSIX, else O_DIRECT pwritev, else buffered), ``nixl``, ``odirect``,
+            ``buffered``. Paths that cannot work here fall back with a warning.
+        allow_evict_unflushed: may eviction drop sealed segments the object tier has not yet
+            copied? ``None`` (default) means yes until a flusher calls ``unflushed_segments``
+            (a standalone SSD tier must be able to evict), no afterwards.
+        fsync: ``fdatasync`` after every write batch, seal and delete. An acknowledged write then
+            survives power loss, not only a process kill.
+        verify_reads: verify whole-record reads (checksum and key) before reporting a hit; a
+            failure is a miss and drops the entry. Off by default because the codec verifies
+            every record where it is consumed.
+        idle_seal_s: seal the open segment after this many idle seconds (None: only when full
+            and on close).
+        on_sealed: called on the writer thread with each newly sealed segment; keep it short.
+    """
+
+    name = "ssd"
+    capabilities = TierCapabilities(medium="ssd", durable=True, shared=False)
+
+    def __init__(self, path: str | os.PathLike[str], *, capacity_bytes: int,
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES, rank: int = 0, io: str = "auto",
+                 allow_evict_unflushed: bool | None = None, fsync: bool = True, verify_reads: bool = False,
+                 idle_seal_s: float | None = 60.0,
+                 on_sealed: Callable[[SealedSegment], None] | None = None) -> None:
+        if capacity_bytes <= 0 or segment_bytes < 2 * ALIGN or rank < 0:
+            raise ValueError("capacity_bytes and rank must be positive and segment_bytes at least 8 KiB")
+        if io not in ("auto", "nixl", "odirect", "buffered"):
+            raise ValueError(f"io must be auto|nixl|odirect|buffered, got {io!r}")
+        self.root = Path(path)
+        self.rank = rank
+        self.rank_dir = self.root / f"rank-{rank:03d}"
+        self._capacity = capacity_bytes
+        clamp = max(2 * ALIGN, capacity_bytes // 4 // ALIGN * ALIGN)
+        self._segment_bytes = min(segment_bytes // ALIGN * ALIGN, clamp)
+        self._io_mode = io
+        self._allow_unflushed = allow_evict_unflushed
+        self._flusher_attached = False
+        self._fsync = fsync
+        self._verify = verify_reads
+        self._idle_seal_s = idle_seal_s
+        self.on_sealed = on_sealed
+
+        self._lock = threading.Lock()
+        self._index = CompactIndex()
+        self._segments: dict[int, _Segment] = {}
+        self._open: _Segment | None = None
+        self._next_seq = 1
+        self._used = 0
+        self._tick = 0
+        self._last_write = time.monotonic()
+        self._io: PosixIO | None = None
+        self._lock_fd: int | None = None
+        self._tomb_fd: int | None = None
+        self._write_bounce: np.ndarray | None = None
+        self._read_bounces: list[np.ndarray] = []
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"dtkv-ssd{rank}")
+        self._stop = threading.Event()
+        self._idle_thread: threading.Thread | None = None
+        self._opened = False
+        self._closed = False
+        self.disabled_reason: str | None = None  # set when the tier serves nothing (no SSD tier)
+        self.readonly_reason: str | None = None  # set when writes stopped (reads still served)
+        self.gds: GdsVerdict = GdsVerdict(False, "not probed")
+
+    # --- lifecycle --------------------------------------------------------------------------
+    @property
+    def io_path(self) -> str:
+        return self._io.name if self._io else "none"
+
+    @property
+    def available(self) -> bool:
+        return self._opened and self.disabled_reason is None
+
+    async def open(self) -> None:
+        """Lock the rank directory, choose the I/O path, recover segments and rebuild the index.
+
+        Never raises for environmental faults (unwritable directory, lock held by another
+        process, no space): the tier is disabled with a log line and the ``dtkv_ssd_disabled``
+        metric, and behaves as an empty tier whose writes raise ``TierUnavailable``.
+        """
+        if self._opened:
+            return
+        await asyncio.get_running_loop().run_in_executor(self._writer, self._open_sync)
+        self._opened = True
+        if self._idle_seal_s and self.disabled_reason is None:
+            self._idle_thread = threading.Thread(target=self._idle_loop, name=f"dtkv-ssd{self.rank}-idle",
+                                                 daemon=True)
+            self._idle_thread.start()
+
+    def _open_sync(self) -> None:
+        try:
+            self.rank_dir.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = os.open(self.rank_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._disable(f"{self.rank_dir} is locked by another process (one writer per rank directory)")
+                return
+            self._io = select_io(self.rank_dir, self._io_mode)
+            metrics.IO_PATH.labels(self._io.name).set(1)
+            self.gds = _gds_verdict()
+            self._recover()
+            self._tomb_fd = os.open(self.rank_dir / TOMBSTONE_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as e:
+            self._disable(f"cannot use {self.rank_dir}: {e}")
+
+    def _recover(self) -> None:
+        assert self._io is not None
+        recovered = recover_segments(self.rank_dir, self.rank)
+        dead = load_tombstones(self.rank_dir, {r.seq for r in recovered})
+        for r in recovered:
+            seg = _Segment(r.seq, r.path, self._io.open(r.path), r.data_bytes, r.size, sealed=True,
+                           flushed=r.flushed, sealed_at=r.sealed_at_ns / 1e9, last_used=self._next_tick())
+            self._segments[r.seq] = seg
+            self._used += r.size
+            for key, off, length in zip(r.entries["key"].tolist(), r.entries["offset"].tolist(),
+                                        r.entries["length"].tolist()):
+                if (r.seq, off) not in dead:
+                    self._index.put(key, r.seq, off, length)
+            self._next_seq = r.seq + 1
+        metrics.USED_BYTES.set(self._used)
+        log.info("SSD tier %s: recovered %d segments, %d blocks, %d bytes; io=%s", self.rank_dir,
+                 len(recovered), len(self._index), self._used, self.io_path)
+
+    def _disable(self, reason: str) -> None:
+        log.error("SSD tier disabled (no SSD tier): %s", reason)
+        self.disabled_reason = reason
+        metrics.DISABLED.set(1)
+        metrics.DEGRADED.labels("disabled").inc()
+
+    async def close(self) -> None:
+        """Seal the open segment, close files and release the rank lock. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._opened:
+            await asyncio.get_running_loop().run_in_executor(self._writer, self._close_sync)
+        self._writer.shutdown(wait=True)
+        if self._idle_thread is not None:
+            self._idle_thread.join(timeout=5)
+
+    def _close_sync(self) -> None:
+        if self.disabled_reason is None and self.readonly_reason is None:
+            try:
+                self._seal_sync()
+            except TierUnavailable:
+                pass
+        with self._lock:
+            for seg in self._segments.values():
+                if self._io is not None:
+                    self._io.close_fd(seg.fd)
+            self._segments.clear()
+            self._index.clear()
+            self._open = None
+        for fd in (self._tomb_fd, self._lock_fd):
+            if fd is not None:
+                os.close(fd)  # closing the lock fd releases the flock
+        self._tomb_fd = self._lock_fd = None
+
+    # --- index (memory only) ----------------------------------------------------------------
+    def contains(self, key: BlockKey) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def size_of(self, key: BlockKey) -> int | None:
+        with self._lock:
+            loc = self._index.get(key)
+        return None if loc is None else loc[2]
+
+    def keys(self) -> Iterator[BlockKey]:
+        with self._lock:
+            return self._index.keys()
+
+    def usage(self) -> TierUsage:
+        return TierUsage(self._capacity, self._used, len(self._index))
+
+    def index_nbytes(self) -> int:
+        return self._index.nbytes()
+
+    # --- writes -----------------------------------------------------------------------------
+    async def write(self, key: BlockKey, data: memoryview) -> None:
+        await self.write_many([(key, data)])
+
+    async def write_many(self, items: Iterable[tuple[BlockKey, memoryview]]) -> None:
+        """Append the records in order; a run that fits one segment lands contiguously in it.
+
+        Raises:
+            ValueError: a key is not 16 bytes or a record is not a positive 4 KiB multiple.
+            TierFull: nothing evictable is left to make room.
+            TierUnavailable: the tier is disabled or the device failed (ENOSPC, EROFS, EIO).
+        """
+        batch = [(bytes(k), as_u8(v)) for k, v in items]
+        for k, v in batch:
+            if len(k) != KEY_BYTES or v.nbytes <= 0 or v.nbytes % ALIGN:
+                raise ValueError(f"SSD tier stores 16-byte keys and 4 KiB-multiple records, got {v.nbytes} bytes")
+        if batch:
+            await asyncio.get_running_loop().run_in_executor(self._writer, self._append_sync, batch)
+
+    def _check_writable(self) -> None:
+        if not self._opened or self._closed:
+            raise TierUnavailable("SSD tier is not open")
+        if self.disabled_reason or self.readonly_reason:
+            raise TierUnavailable(f"SSD tier is not accepting writes: {self.disabled_reason or self.readonly_reason}")
+
+    def _append_sync(self, items: list[tuple[bytes, np.ndarray]]) -> None:
+        self._check_writable()
+        i = 0
+        while i < len(items):
+            seg = self._open or self._new_segment()
+            n0 = len(seg.entries)
+            take, nbytes = 0, 0
+            while i + take < len(items):
+                ln = items[i + take][1].nbytes
+                if seg.data_bytes + nbytes + ln + footer_bytes(n0 + take + 1) > self._segment_bytes:
+                    break
+                take, nbytes = take + 1, nbytes + ln
+            rest = len(items) - i
+            if n0 and (take == 0 or (take < rest and sum(v.nbytes for _, v in items[i:]) + footer_bytes(rest)
+                                     <= self._segment_bytes)):
+                self._seal_sync()  # start a fresh segment so the run stays contiguous
+                continue
+            if take == 0:  # a record larger than a segment gets a segment of its own
+                take, nbytes = 1, items[i][1].nbytes
+            self._append_run(seg, items[i:i + take], nbytes)
+            i += take
+        if self._open is not None and self._open.data_bytes + footer_bytes(len(self._open.entries) + 1) + ALIGN \
+                > self._segment_bytes:
+            self._seal_sync()
+
+    def _append_run(self, seg: _Segment, run: list[tuple[bytes, np.ndarray]], nbytes: int) -> None:
+        assert self._io is not None
+        n0 = len(seg.entries)
+        need = nbytes + footer_bytes(n0 + len(run)) - footer_bytes(n0)
+        self._make_room(need)
+        offset = seg.data_bytes
+        try:
+            write_extent(self._io, seg.fd, offset, [v for _, v in run], self._bounce())
+            if self._fsync:
+                self._io.sync(seg.fd)
+        except OSError as e:
+            self._write_failed(seg, offset, e)
+        superseded = []
+        with self._lock:
+            off = offset
+            for k, v in run:
+                old = self._index.put(k, seg.seq, off, v.nbytes)
+                if old is not None:
+                    superseded.append((old[0], old[1], k))
+                seg.entries.append((k, off, v.nbytes))
+                off += v.nbytes
+            seg.data_bytes = off
+            seg.size += need
+            self._used += need
+            seg.last_used = self._next_tick()
+        self._last_write = time.monotonic()
+        metrics.BYTES_WRITTEN.inc(nbytes)
+        metrics.USED_BYTES.set(self._used)
+        if superseded:  # old locations of rewritten keys must not come back after a restart
+            self._append_tombstones(superseded)
+
+    def _write_failed(self, seg: _Segment, offset: int, e: OSError) -> None:
+        try:
+            os.ftruncate(seg.fd, offset)  # drop whatever part of the run reached the file
+        except OSError:
+            pass
+        reason = f"write to {seg.path.name} failed: {e}"
+        if e.errno in _DEGRADING_ERRNOS:
+            log.error("SSD tier stops accepting writes (reads still served): %s", reason)
+            self.readonly_reason = reason
+            metrics.DEGRADED.labels(errno.errorcode.get(e.errno or 0, "EIO")).inc()
+        raise TierUnavailable(reason) from e
+
+    def _new_segment(self) -> _Segment:
+        assert self._io is not None
+        seq = self._next_seq
+        path = self.rank_dir / segment_name(seq)
+        try:
+            fd = self._io.open(path, create=True)
+            fsync_dir(self.rank_dir)
+        except OSError as e:
+            self.readonly_reason = f"cannot create {path}: {e}"
+            log.error("SSD tier stops accepting writes: %s", self.readonly_reason)
+            metrics.DEGRADED.labels(errno.errorcode.get(e.errno or 0, "EIO")).inc()
+            raise TierUnavailable(self.readonly_reason) from e
+        seg = _Segment(seq, path, fd, 0, footer_bytes(0), sealed=False, last_used=self._next_tick())
+        with self._lock:
+            self._next_seq = seq + 1
+            self._segments[seq] = seg
+            self._open = seg
+            self._used += seg.size
+        return seg
+
+    def _bounce(self) -> np.ndarray:
+        if self._write_bounce is None:
+            self._write_bounce = aligned_buffer(BOUNCE_BYTES)
+        return self._write_bounce
+
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    # --- capacity ---------------------------------------------------------------------------
+    def _evictable(self, seg: _Segment) -> bool:
+        allow = self._allow_unflushed if self._allow_unflushed is not None else not self._flusher_attached
+        return seg.sealed and not seg.dead and seg.pins == 0 and (seg.flushed or allow)
+
+    def _make_room(self, need: int) -> None:
+        while True:
+            with self._lock:
+                if self._used + need <= self._capacity:
+                    return
+                victims = [s for s in self._segments.values() if self._evictable(s)]
+                if not victims:
+                    raise TierFull(f"SSD tier needs {need} bytes, holds {self._used} of {self._capacity}, "
+                                   "and no sealed segment is evictable (unflushed or pinned)")
+                victim = min(victims, key=lambda s: s.last_used)
+                self._evict_locked(victim)
+
+    def _evict_locked(self, seg: _Segment) -> None:
+        assert self._io is not None
+        footer = read_footer_at(seg.path, seg.size)
+        if footer is not None:
+            for key in footer.entries["key"].tolist():
+                self._index.pop(key, only_seq=seg.seq)
+        else:  # cannot happen for a file we sealed; fall back to a full index sweep
+            for key in list(self._index.keys()):
+                self._index.pop(key, only_seq=seg.seq)
+        del self._segments[seg.seq]
+        seg.dead = True
+        self._used -= seg.size
+        for p in (seg.path, flushed_marker(seg.path)):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+        if seg.readers == 0:
+            self._io.close_fd(seg.fd)
+        metrics.EVICTED_SEGMENTS.inc()
+        metrics.USED_BYTES.set(self._used)
+
+    # --- sealing ----------------------------------------------------------------------------
+    async def seal(self) -> SealedSegment | None:
+        """Seal the open segment now (None when it holds nothing)."""
+        return await asyncio.get_running_loop().run_in_executor(self._writer, self._seal_sync)
+
+    async def seal_if_idle(self, max_age_s: float) -> SealedSegment | None:
+        """Seal the open segment if nothing was appended for ``max_age_s`` seconds."""
+        return await asyncio.get_running_loop().run_in_executor(self._writer, self._seal_if_idle_sync, max_age_s)
+
+    def _seal_if_idle_sync(self, max_age_s: float) -> SealedSegment | None:
+        if self._open is None or time.monotonic() - self._last_write < max_age_s:
+            return None
+        if self.disabled_reason or self.readonly_reason:
+            return None
+        return self._seal_sync()
+
+    def _idle_loop(self) -> None:
+        assert self._idle_seal_s
+        while not self._stop.wait(max(0.05, self._idle_seal_s / 2)):
+            try:
+                self._writer.submit(self._seal_if_idle_sync, self._idle_seal_s).result()
+            except RuntimeError:  # executor shut down
+                return
+            except Exception as e:  # sealing failures already degraded the tier; keep the loop alive
+                log.debug("idle seal failed: %s", e)
+
+    def _seal_sync(self) -> SealedSegment | None:
+        seg = self._open
+        if seg is None or not seg.entries:
+            return None
+        assert self._io is not None
+        now = time.time_ns()
+        fb = footer_bytes(len(seg.entries))
+        buf = self._bounce() if fb <= BOUNCE_BYTES else aligned_buffer(fb)
+        footer = build_footer(self.rank, seg.seq, seg.data_bytes, now, seg.entries, out=buf)
+        try:
+            write_extent(self._io, seg.fd, seg.data_bytes, [footer], buf)
+            self._io.sync(seg.fd)  # a seal is always durable: the flusher uploads what it sees
+        except OSError as e:
+            self._write_failed(seg, seg.data_bytes, e)
+        entries = tuple(SegmentEntry(k, o, n) for k, o, n in seg.entries)
+        with self._lock:
+            seg.sealed = True
+            seg.sealed_at = now / 1e9
+            seg.entries = []
+            self._open = None
+        metrics.SEALED_SEGMENTS.inc()
+        sealed = SealedSegment(self._segment_id(seg.seq), seg.path, seg.size, entries, seg.sealed_at)
+        if self.on_sealed is not None:
+            try:
+                self.on_sealed(sealed)
+            except Exception:
+                log.exception("on_sealed callback failed for %s", sealed.segment_id)
+        return sealed
+
+    # --- reads ------------------------------------------------------------------------------
+    async def read_into(self, key: BlockKey, into: memoryview, byte_range: ByteRange | None = None) -> int | None:
+        return (await self.read_many([ReadRequest(key, into, byte_range)]))[0]
+
+    async def read_many(self, requests: Sequence[ReadRequest]) -> list[int | None]:
+        """Read every hit; adjacent records of one segment are one read. Misses and failures are None.
+
+        Raises:
+            ValueError: a destination is too small or a byte range exceeds its record.
+        """
+        results: list[int | None] = [None] * len(requests)
+        ops = self._plan_reads(requests)
+        if ops:
+            try:
+                await asyncio.to_thread(self._execute_reads, ops, requests, results)
+            finally:
+                self._release([op[0] for op in ops])
+        return results
+
+    def _plan_reads(self, requests: Sequence[ReadRequest]) -> list[tuple[_Segment, int, int, int]]:
+        """(segment, file offset, length, request index) per hit; takes a reader ref on each segment."""
+        ops = []
+        with self._lock:
+            tick = self._next_tick()
+            try:
+                for i, r in enumerate(requests):
+                    loc = self._index.get(r.key)
+                    if loc is None:
+                        continue
+                    seq, rec_off, rec_len = loc
+                    off, length = check_range(rec_len, r.into, r.byte_range)
+                    seg = self._segments[seq]
+                    seg.readers += 1
+                    seg.last_used = tick
+                    ops.append((seg, rec_off + off, length, i))
+            except BaseException:
+                for seg, *_ in ops:
+                    seg.readers -= 1
+                raise
+        return ops
+
+    def _release(self, segs: list[_Segment]) -> None:
+        with self._lock:
+            for seg in segs:
+                seg.readers -= 1
+                if seg.dead and seg.readers == 0 and self._io is not None:
+                    self._io.close_fd(seg.fd)
+
+    def _execute_reads(self, ops: list[tuple[_Segment, int, int, int]], requests: Sequence[ReadRequest],
+                       results: list[int | None]) -> None:
+        assert self._io is not None
+        ops = sorted(ops, key=lambda o: (o[0].seq, o[1]))
+        bounce = self._take_read_bounce()
+        try:
+            start = 0
+            while start < len(ops):
+                end = start + 1
+                while (end < len(ops) and ops[end][0] is ops[start][0]
+                       and ops[end][1] == ops[end - 1][1] + ops[end - 1][2]):
+                    end += 1
+                run = ops[start:end]
+                dsts = [as_u8(requests[i].into)[:n] for _, _, n, i in run]
+                try:
+                    read_extent(self._io, run[0][0].fd, run[0][1], dsts, bounce)
+                except OSError as e:
+                    log.warning("SSD read of %d records from %s failed: %s", len(run), run[0][0].path.name, e)
+                    metrics.READ_ERRORS.inc()
+                else:
+                    for (_, _, n, i), d in zip(run, dsts):
+                        results[i] = n if self._verified(requests[i], d) else None
+                    metrics.BYTES_READ.inc(sum(d.nbytes for d in dsts))
+                start = end
+        finally:
+            self._read_bounces.append(bounce)
+
+    def _verified(self, req: ReadRequest, data: np.ndarray) -> bool:
+        if not self._verify or req.byte_range is not None:
+            return True
+        try:
+            verify_record(data, key=req.key)
+            return True
+        except RecordError as e:
+            log.warning("SSD record %s failed verification (%s); dropped", req.key.hex(), e)
+            metrics.CHECKSUM_FAILURES.inc()
+            with self._lock:
+                self._index.pop(req.key)
+            return False
+
+    def _take_read_bounce(self) -> np.ndarray:
+        try:
+            return self._read_bounces.pop()
+        except IndexError:
+            return aligned_buffer(BOUNCE_BYTES)
+
+    # --- deletes ----------------------------------------------------------------------------
+    async def delete(self, key: BlockKey) -> bool:
+        return await asyncio.get_running_loop().run_in_executor(self._writer, self._delete_sync, bytes(key))
+
+    def _delete_sync(self, key: bytes) -> bool:
+        with self._lock:
+            loc = self._index.pop(key)
+        if loc is None:
+            return False
+        self._append_tombstones([(loc[0], loc[1], key)])
+        return True
+
+    def _append_tombstones(self, locs: list[tuple[int, int, bytes]]) -> None:
+        if self._tomb_fd is None:
+            return
+        try:
+            os.write(self._tomb_fd, b"".join(pack_tombstone(s, o, k) for s, o, k in locs))
+            if self._fsync:
+                os.fdatasync(self._tomb_fd)
+        except OSError as e:  # the key is gone from memory; after a restart it may come back (still valid)
+            log.error("SSD tier: cannot record %d tombstones: %s", len(locs), e)
+
+    # --- SegmentSource (for the object-tier flusher) ----------------------------------------
+    def _segment_id(self, seq: int) -> str:
+        return f"{self.rank_dir.name}/{seq:08d}"
+
+    def _seg_by_id(self, segment_id: str) -> _Segment | None:
+        rank_name, _, seq = segment_id.rpartition("/")
+        if rank_name != self.rank_dir.name or not seq.isdigit():
+            return None
+        return self._segments.get(int(seq))
+
+    def unflushed_segments(self) -> list[SealedSegment]:
+        """Sealed segments not yet in the object tier, oldest first. Marks a flusher as attached."""
+        self._flusher_attached = True
+        with self._lock:
+            segs = sorted((s for s in self._segments.values() if s.sealed and not s.flushed and not s.dead),
+                          key=lambda s: s.seq)
+        out = []
+        for s in segs:
+            if s.sealed_entries is None:
+                footer = read_footer_at(s.path, s.size)
+                if footer is None:
+                    continue
+                s.sealed_entries = tuple(SegmentEntry(k, o, n) for k, o, n in zip(
+                    footer.entries["key"].tolist(), footer.entries["offset"].tolist(),
+                    footer.entries["length"].tolist()))
+            out.append(SealedSegment(self._segment_id(s.seq), s.path, s.size, s.sealed_entries, s.sealed_at))
+        return out
+
+    def mark_flushed(self, segment_id: str) -> None:
+        """Durably record that the segment is in the object tier (a marker file beside it)."""
+        seg = self._seg_by_id(segment_id)
+        if seg is None or seg.flushed:
+            return
+        marker = flushed_marker(seg.path)
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(self.rank_dir)
+        with self._lock:
+            seg.flushed = True
+            seg.sealed_entries = None
+
+    def pin_segment(self, segment_id: str) -> bool:
+        with self._lock:
+            seg = self._seg_by_id(segment_id)
+            if seg is None or seg.dead:
+                return False
+            seg.pins += 1
+            return True
+
+    def unpin_segment(self, segment_id: str) -> None:
+        with self._lock:
+            seg = self._seg_by_id(segment_id)
+            if seg is not None and seg.pins > 0:
+                seg.pins -= 1
+
+
+_GDS: GdsVerdict | None = None
+_GDS_LOCK = threading.Lock()
+
+
+def _gds_verdict() -> GdsVerdict:
+    """Probe GPUDirect Storage once per process; say loudly when it is not usable."""
+    global _GDS
+    with _GDS_LOCK:
+        if _GDS is None:
+            _GDS = probe_gds()
+            metrics.GDS_AVAILABLE.set(1 if _GDS.available else 0)
+            if _GDS.available:
+                log.info("SSD tier: GPUDirect Storage probe: %s", _GDS.reason)
+            else:
+                log.warning("SSD tier: GPUDirect Storage unavailable (%s); GPU blocks take the host-bounce "
+                            "path through staging slabs", _GDS.reason)
+        return _GDS
