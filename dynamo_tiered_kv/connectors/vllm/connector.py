@@ -1,0 +1,135 @@
+"""``TieredKVConnector``: vLLM's ``KVConnectorBase_V1`` over a ``TieredStore``.
+
+Enable it with::
+
+    --kv-transfer-config '{"kv_connector": "TieredKVConnector",
+                           "kv_connector_module_path": "dynamo_tiered_kv.connectors.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"ssd_dir": "/nvme/kv", "object_url": "s3://kv/llama"}}'
+
+The class is a thin facade: the scheduler role (``scheduler.SchedulerRole``) decides what moves,
+the worker role (``worker.WorkerRole``) owns the store and moves bytes. Written against the
+0.32 API and only uses hooks that 0.31 (ai-dynamo 1.6.1) has with the same signatures.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ...config import TieredKVConfig
+from .metadata import TieredKVMetadata
+from .rendezvous import LookupClient, engine_key
+from .scheduler import SchedulerRole, with_recompute_policy
+from .worker import WorkerRole
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+def _kv_dtype(vllm_config: Any) -> str:
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if cache_dtype != "auto":
+        return cache_dtype
+    return str(vllm_config.model_config.dtype).removeprefix("torch.")
+
+
+class TieredKVConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.config = TieredKVConfig.from_mapping(dict(ktc.kv_connector_extra_config or {}))
+        model_id = str(vllm_config.model_config.model)
+        block_size = int(vllm_config.cache_config.block_size)
+        pc = vllm_config.parallel_config
+        key = engine_key(str(ktc.engine_id), int(getattr(pc, "data_parallel_rank", 0) or 0))
+        authkey = str(ktc.engine_id).encode()
+        self._scheduler: SchedulerRole | None = None
+        self._worker: WorkerRole | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            with_recompute_policy(ktc)
+            self._scheduler = SchedulerRole(self.config, model_id=model_id, block_size=block_size,
+                                            lookup=LookupClient(key, authkey))
+        else:
+            mc = vllm_config.model_config
+            tp_rank = _tp_rank()
+            self._worker = WorkerRole(
+                self.config, model_id=model_id, kv_dtype=_kv_dtype(vllm_config), block_size=block_size,
+                num_kv_heads=int(mc.get_num_kv_heads(pc)), head_size=int(mc.get_head_size()), tp_rank=tp_rank,
+                tp_size=int(pc.tensor_parallel_size), engine_key=key, authkey=authkey,
+                is_mla=bool(getattr(mc, "use_mla", False)),
+            )
+
+    # --- worker side ------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole-prefix and synchronous in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole blocks are saved once per step in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.wait_for_save(self._meta())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    def _meta(self) -> TieredKVMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TieredKVMetadata)
+        return meta
+
+    # --- scheduler side -----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is None:
+            return False, None
+        return self._scheduler.request_finished(request, block_ids)
+
+    # --- both -------------------------------------------------------------------------------
+    @property
+    def worker(self) -> WorkerRole | None:
+        """The worker role (its ``store`` and ``served`` map), for tools and tests."""
+        return self._worker
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # not initialised (unit tests)
+        return 0

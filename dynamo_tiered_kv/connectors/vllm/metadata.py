@@ -1,0 +1,47 @@
+"""What the scheduler role tells the worker role each step (pickled across processes).
+
+Blocks are named by *token hashes*: a chained BLAKE2b over the request's token ids (plus tenant
+salt and vLLM's per-request ``cache_salt``), computed by the scheduler. vLLM's own block hashes
+are seeded randomly per process unless ``PYTHONHASHSEED`` is set, so they cannot name blocks
+across restarts. The worker turns a token hash into its store key by mixing in its namespace
+(layout, dtype, TP rank), so the scheduler needs no knowledge of the worker's KV layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+try:  # the base class lives in vLLM; keep this module importable without it (unit tests)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+except ImportError:  # pragma: no cover - only without vLLM
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        pass
+
+
+@dataclass
+class LoadSpec:
+    """Restore ``token_hashes[i]`` into engine block ``block_ids[i]`` before this step's forward."""
+
+    req_id: str
+    block_ids: list[int]
+    token_hashes: list[bytes]
+
+
+@dataclass
+class SaveSpec:
+    """Offload engine blocks that are full after this step's forward.
+
+    ``token_hashes`` has one more leading entry than ``block_ids`` when ``first_index > 0``: the
+    parent of the first block, so the worker can name each record's parent.
+    """
+
+    req_id: str
+    block_ids: list[int]
+    token_hashes: list[bytes]
+    first_index: int
+
+
+@dataclass
+class TieredKVMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)

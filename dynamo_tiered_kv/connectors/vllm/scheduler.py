@@ -1,0 +1,166 @@
+"""Scheduler role: how many prompt tokens the store can restore, and which blocks to move.
+
+Loads are synchronous (``load_kv_async=False``): vLLM then runs ``start_load_kv`` before the
+step's forward, and a failed block is reported through ``get_block_ids_with_load_errors`` so
+vLLM recomputes from it on. Saves are whole blocks that become full during a step; the worker
+copies them into staging inside that step's ``wait_for_save``, so by the time a request finishes
+its blocks are already out of the engine and ``request_finished`` never has to hold them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...config import TieredKVConfig
+from ...keys import ROOT_KEY, Namespace, block_key
+from .metadata import LoadSpec, SaveSpec, TieredKVMetadata
+from .rendezvous import LookupClient
+
+log = logging.getLogger(__name__)
+
+
+def token_namespace(model_id: str, block_size: int, tenant_salt: str) -> Namespace:
+    """Namespace of the layout-independent token hashes the scheduler computes."""
+    return Namespace(model_id, "tokens", "tokens", block_size, 1, 1, 1, tenant_salt=tenant_salt)
+
+
+@dataclass
+class _Req:
+    request: Any  # vllm.v1.request.Request (live object: its token list grows)
+    ns: Namespace | None  # None: not cacheable (multimodal, prompt embeddings)
+    hashes: list[bytes] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_local: int = 0  # tokens the engine's own prefix cache had
+    saved: int = 0  # blocks [0, saved) are stored, loaded or deliberately skipped
+    pending_load: LoadSpec | None = None
+
+    def hashes_upto(self, n: int) -> list[bytes]:
+        tokens = self.request.all_token_ids
+        bs = self.ns.block_size  # type: ignore[union-attr]
+        while len(self.hashes) < n:
+            i = len(self.hashes)
+            parent = self.hashes[-1] if self.hashes else ROOT_KEY
+            self.hashes.append(block_key(self.ns, parent, tokens[i * bs:(i + 1) * bs]))  # type: ignore[arg-type]
+        return self.hashes[:n]
+
+
+class SchedulerRole:
+    def __init__(self, config: TieredKVConfig, *, model_id: str, block_size: int, lookup: LookupClient) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.model_id = model_id
+        self._salt = config.tenant_salt.get_secret_value()
+        self._lookup = lookup
+        self._reqs: dict[str, _Req] = {}
+        self.min_prefix_blocks = config.min_prefix_blocks
+
+    def _state(self, request: Any) -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = _Req(request, self._namespace_for(request))
+            self._reqs[request.request_id] = st
+        else:
+            st.request = request
+        return st
+
+    def _namespace_for(self, request: Any) -> Namespace | None:
+        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+            return None  # token ids do not identify multimodal or embedding prompts
+        salt = self._salt
+        cache_salt = getattr(request, "cache_salt", None)
+        if cache_salt:
+            salt += "\x00cache:" + cache_salt
+        lora = getattr(request, "lora_request", None)
+        if lora is not None:
+            salt += "\x00lora:" + str(getattr(lora, "lora_name", lora))
+        return token_namespace(self.model_id, self.block_size, salt)
+
+    # --- vLLM hooks -----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._state(request)
+        if st.ns is None:
+            return 0, False
+        bs = self.block_size
+        n_full = (request.num_tokens - 1) // bs  # vLLM must compute at least the last token
+        first = num_computed_tokens // bs
+        if n_full <= first:
+            return 0, False
+        hashes = st.hashes_upto(n_full)
+        n_hit, _tiers = self._lookup.lookup(hashes[first:])
+        matched = n_hit * bs
+        st.num_local = num_computed_tokens
+        return (matched, False) if matched > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        st = self._state(request)
+        bs = self.block_size
+        local_blocks = st.num_local // bs
+        ext_blocks = num_external_tokens // bs
+        if ext_blocks > 0 and st.ns is not None:
+            ids = list(blocks.get_block_ids()[0])
+            st.pending_load = LoadSpec(request.request_id, ids[local_blocks:local_blocks + ext_blocks],
+                                       st.hashes[local_blocks:local_blocks + ext_blocks])
+        # Blocks the engine already had or is about to load are stored: never save them again.
+        st.saved = max(st.saved, local_blocks + ext_blocks)
+
+    def build_connector_meta(self, scheduler_output: Any) -> TieredKVMetadata:
+        meta = TieredKVMetadata()
+        for st in self._reqs.values():
+            if st.pending_load is not None:
+                meta.loads.append(st.pending_load)
+                st.pending_load = None
+        computed: dict[str, int] = {}
+        for nr in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(nr.req_id)
+            if st is not None:
+                st.block_ids = list(nr.block_ids[0])
+                computed[nr.req_id] = nr.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in resumed:
+                st.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                st.block_ids.extend(new_ids[0])
+            computed[req_id] = cached.num_computed_tokens[i]
+        bs = self.block_size
+        for req_id, n_computed in computed.items():
+            st = self._reqs[req_id]
+            if st.ns is None:
+                continue
+            n_after = n_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            full = min(n_after, st.request.num_tokens) // bs
+            full = min(full, len(st.block_ids))
+            if full <= st.saved or full < self.min_prefix_blocks:
+                continue
+            start = st.saved
+            hashes = st.hashes_upto(full)
+            meta.saves.append(SaveSpec(req_id, st.block_ids[start:full], hashes[max(0, start - 1):full], start))
+            st.saved = full
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves were copied to staging inside the steps that computed them (see module docstring).
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+    def shutdown(self) -> None:
+        self._lookup.close()
+
+
+def with_recompute_policy(kv_transfer_config: Any) -> None:
+    """A cache miss must never fail a request: make vLLM recompute blocks that failed to load."""
+    if getattr(kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+        try:
+            kv_transfer_config.kv_load_failure_policy = "recompute"
+            log.info("TieredKVConnector: kv_load_failure_policy set to 'recompute' (a failed load is a miss)")
+        except (AttributeError, TypeError, dataclasses.FrozenInstanceError):
+            log.warning("set kv_load_failure_policy='recompute' in --kv-transfer-config: with 'fail', a "
+                        "corrupt or missing stored block fails the request instead of being recomputed")

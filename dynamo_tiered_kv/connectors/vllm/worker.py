@@ -1,0 +1,147 @@
+"""Worker role: owns the store next to the KV tensors; loads before the forward, saves after it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from ...config import TieredKVConfig
+from ...keys import ROOT_KEY, Namespace, engine_block_key
+from ...layout import EngineLayout
+from ...store import TieredStore
+from .metadata import TieredKVMetadata
+from .rendezvous import LookupServer, register_local, unregister_local
+
+log = logging.getLogger(__name__)
+
+
+def build_store(config: TieredKVConfig, namespace: Namespace) -> TieredStore:
+    """The lead's ``factory.build_store`` when present, else a host-only store from the config."""
+    try:
+        from ...factory import build_store as factory_build
+    except ImportError:
+        factory_build = None
+    if factory_build is not None:
+        return factory_build(config, namespace)
+    from ...staging import StagingPool
+    from ...tiers.host import HostTier
+
+    staging = StagingPool(config.staging_slab_bytes, config.staging_slabs)
+    return TieredStore([HostTier(config.host_capacity_bytes)], namespace, staging, admission=config.admission,
+                       min_prefix_blocks=config.min_prefix_blocks,
+                       max_pending_offloads=config.max_pending_offloads, metrics_port=config.metrics_port)
+
+
+class WorkerRole:
+    """Args mirror what vLLM knows at worker start; the store is built in ``register_kv_caches``."""
+
+    def __init__(self, config: TieredKVConfig, *, model_id: str, kv_dtype: str, block_size: int,
+                 num_kv_heads: int, head_size: int, tp_rank: int, tp_size: int, engine_key: str,
+                 authkey: bytes, is_mla: bool = False) -> None:
+        self.config = config
+        self.model_id = model_id
+        self.kv_dtype = kv_dtype
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.is_mla = is_mla
+        self.engine_key = engine_key
+        self._authkey = authkey
+        self.layout: EngineLayout | None = None
+        self.store: TieredStore | None = None
+        self.namespace: Namespace | None = None
+        self._server: LookupServer | None = None
+        self._load_errors: set[int] = set()
+        self._failed_this_step: set[int] = set()
+        #: per request id: tier name of each block restored for it (the demo reports this)
+        self.served: dict[str, list[str]] = {}
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        layout = _detect_layout(kv_caches, self.block_size, self.num_kv_heads, self.head_size, self.is_mla)
+        self.layout = layout
+        self.namespace = Namespace(self.config.model_id or self.model_id, self.kv_dtype, layout.kind.name,
+                                   layout.shape.block_size, layout.shape.num_layers, layout.shape.num_kv_heads,
+                                   layout.shape.head_size, self.tp_rank, self.tp_size,
+                                   tenant_salt=self.config.tenant_salt.get_secret_value())
+        self.store = build_store(self.config, self.namespace)
+        log.info("TieredKVConnector worker: layout %s %s, %d blocks, tiers %s", layout.kind.name, layout.shape,
+                 layout.num_blocks, [t.name for t in self.store.tiers])
+        if self.tp_rank == 0:
+            register_local(self.engine_key, self.lookup)
+            try:
+                self._server = LookupServer(self.engine_key, self.lookup, self._authkey)
+            except OSError as e:  # same-process schedulers still work through register_local
+                log.warning("lookup socket unavailable (%s); only an in-process scheduler can query", e)
+
+    def keys_of(self, token_hashes: Sequence[bytes]) -> list[bytes]:
+        ns = self.namespace
+        assert ns is not None
+        return [engine_block_key(ns, ROOT_KEY, h) for h in token_hashes]
+
+    def lookup(self, token_hashes: Sequence[bytes]) -> tuple[int, tuple[str, ...]]:
+        if self.store is None:
+            return 0, ()
+        r = self.store.lookup(self.keys_of(token_hashes))
+        return r.num_blocks, r.tier_per_block
+
+    def start_load_kv(self, meta: TieredKVMetadata) -> None:
+        self._failed_this_step = set()
+        if self.store is None or self.layout is None:
+            for spec in meta.loads:
+                self._failed_this_step.update(spec.block_ids)
+            self._load_errors |= self._failed_this_step
+            return
+        for spec in meta.loads:
+            res = self.store.load(self.layout, spec.block_ids, self.keys_of(spec.token_hashes),
+                                  timeout=self.config.load_timeout_s)
+            self.served[spec.req_id] = res.tier_per_block
+            if res.failed_block_ids:
+                log.info("request %s: %d of %d blocks failed to load; vLLM recomputes them", spec.req_id,
+                         len(res.failed_block_ids), len(spec.block_ids))
+                self._failed_this_step.update(res.failed_block_ids)
+        self._load_errors |= self._failed_this_step
+
+    def wait_for_save(self, meta: TieredKVMetadata) -> None:
+        if self.store is None or self.layout is None:
+            return
+        for spec in meta.saves:
+            hashes = spec.token_hashes
+            keys = self.keys_of(hashes)
+            if spec.first_index > 0:
+                parents, keys = keys[:-1], keys[1:]
+            else:
+                parents = [ROOT_KEY, *keys[:-1]]
+            ids, ks, ps = [], [], []
+            for b, k, p in zip(spec.block_ids, keys, parents, strict=True):
+                if b in self._failed_this_step:
+                    break  # its content is not what the key names: never store it
+                ids.append(b)
+                ks.append(k)
+                ps.append(p)
+            if ids:
+                self.store.submit_offload(self.layout, ids, ks, ps, first_index=spec.first_index)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        unregister_local(self.engine_key)
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+
+def _detect_layout(kv_caches: dict[str, Any], block_size: int, num_kv_heads: int, head_size: int,
+                   is_mla: bool) -> EngineLayout:
+    """GPU (FlashAttention, FlashInfer, MLA) and CPU layouts; raises ``LayoutMismatch`` otherwise.
+
+    The scheduler's block ids index these tensors directly, so the tensors' block size must be
+    the scheduler's (a kernel block size that splits logical blocks is refused, not guessed).
+    """
+    return EngineLayout.from_vllm(kv_caches, block_size, num_kv_heads, head_size, is_mla=is_mla)
