@@ -1,0 +1,133 @@
+"""Object names and per-object manifests.
+
+Layout under a backend prefix (docs/OBJECTS.md has the full format)::
+
+    data/<digest>.seg         immutable data object: records back to back (a sealed SSD segment
+                              file, or a run packed by ObjectTier.write_many)
+    manifests/<mdigest>.json  which records a data object holds: [(key, offset, length), ...]
+
+``digest`` is content-addressed: BLAKE2b-128 over the object size and, per record, its key,
+offset, length and an xxh3-128 of its first 4 KiB (the record header, which carries the payload
+checksums). Two nodes that flush the same records compute the same name, so conditional create
+uploads them once. ``mdigest`` hashes the data name and the entry list, so a manifest rewritten
+after a delete gets a new name and the old one can be removed.
+
+A manifest is published only after its data object, so a visible manifest always points at
+complete data. Its body carries an xxh3-64 checksum; a damaged manifest is ignored, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from ...errors import TieredKVError
+from ...keys import KEY_BYTES
+from ..segments import SegmentEntry
+
+MANIFEST_VERSION = 1
+DATA_DIR = "data/"
+MANIFEST_DIR = "manifests/"
+_SAMPLE = 4096
+_ENTRY = struct.Struct("<16sQQ")
+
+
+class ManifestError(TieredKVError):
+    """A manifest object is unreadable (corrupt, truncated, unknown version)."""
+
+
+def content_digest(size: int, entries: Sequence[SegmentEntry], sample: Callable[[int, int], bytes]) -> str:
+    """Content address of a data object of ``size`` bytes holding ``entries``.
+
+    ``sample(offset, n)`` returns ``n`` bytes of the object at ``offset`` (record headers).
+    """
+    h = hashlib.blake2b(digest_size=16, person=b"dtkv-obj-v1")
+    h.update(struct.pack("<QQ", size, len(entries)))
+    for e in entries:
+        h.update(_ENTRY.pack(e.key, e.offset, e.length))
+        h.update(xxhash.xxh3_128_digest(sample(e.offset, min(_SAMPLE, e.length))))
+    return h.hexdigest()
+
+
+def data_name(digest: str) -> str:
+    return f"{DATA_DIR}{digest}.seg"
+
+
+def digest_of(name: str) -> str:
+    """The hex digest in a data or manifest object name."""
+    return name.rsplit("/", 1)[-1].split(".", 1)[0]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The record index of one data object.
+
+    Attributes:
+        data: data object name (relative to the backend prefix).
+        data_size: data object size in bytes.
+        created_at: unix time the data was first published (retention counts from here).
+        entries: records in the object, in offset order.
+        origin: free-form producer tag (node and segment id) for operators.
+    """
+
+    data: str
+    data_size: int
+    created_at: float
+    entries: tuple[SegmentEntry, ...]
+    origin: str = ""
+
+    def __post_init__(self) -> None:
+        for e in self.entries:
+            if len(e.key) != KEY_BYTES or e.offset < 0 or e.length <= 0 or e.offset + e.length > self.data_size:
+                raise ManifestError(f"entry {e} does not fit a {self.data_size}-byte object")
+
+    @property
+    def name(self) -> str:
+        h = hashlib.blake2b(digest_size=16, person=b"dtkv-man-v1")
+        h.update(self.data.encode())
+        for e in self.entries:
+            h.update(_ENTRY.pack(e.key, e.offset, e.length))
+        return f"{MANIFEST_DIR}{h.hexdigest()}.json"
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(e.length for e in self.entries)
+
+    def with_entries(self, entries: Sequence[SegmentEntry]) -> Manifest:
+        return Manifest(self.data, self.data_size, self.created_at, tuple(entries), self.origin)
+
+    def to_bytes(self) -> bytes:
+        body = {
+            "version": MANIFEST_VERSION,
+            "data": self.data,
+            "data_size": self.data_size,
+            "created_at": self.created_at,
+            "origin": self.origin,
+            "entries": [[e.key.hex(), e.offset, e.length] for e in self.entries],
+        }
+        raw = json.dumps(body, separators=(",", ":"), sort_keys=True)
+        return json.dumps({"body": body, "xxh3": xxhash.xxh3_64_hexdigest(raw.encode())},
+                          separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Manifest:
+        try:
+            doc = json.loads(raw)
+            body = doc["body"]
+            canon = json.dumps(body, separators=(",", ":"), sort_keys=True)
+            if xxhash.xxh3_64_hexdigest(canon.encode()) != doc["xxh3"]:
+                raise ManifestError("manifest checksum mismatch")
+            if body["version"] != MANIFEST_VERSION:
+                raise ManifestError(f"manifest version {body['version']} is not {MANIFEST_VERSION}")
+            entries = tuple(SegmentEntry(bytes.fromhex(k), int(o), int(n)) for k, o, n in body["entries"])
+            return cls(str(body["data"]), int(body["data_size"]), float(body["created_at"]), entries,
+                       str(body.get("origin", "")))
+        except ManifestError:
+            raise
+        except (ValueError, KeyError, TypeError) as e:
+            raise ManifestError(f"unreadable manifest: {type(e).__name__}: {e}") from None

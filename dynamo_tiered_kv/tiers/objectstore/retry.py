@@ -1,0 +1,145 @@
+"""Retries with jittered backoff and a circuit breaker, shared by the object backends.
+
+A transient fault (5xx, SlowDown, timeouts, resets) is retried up to ``max_attempts`` times with
+"full jitter" backoff: attempt ``n`` sleeps ``uniform(0, min(max_delay, base * 2**n))``, so many
+clients hitting one overloaded server spread out instead of retrying in lockstep. Every attempt
+has its own timeout, so a call is bounded by roughly ``max_attempts * (attempt_timeout + max_delay)``.
+
+The breaker counts operations that failed *after* their retries. ``failure_threshold`` of them in
+a row open it: calls then fail at once with ``TierUnavailable`` (no network traffic) for
+``cooldown_s``. After that one call at a time is let through as a probe (half-open); a success
+closes the breaker, a failure re-opens it for another cooldown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from ...errors import TierUnavailable
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_rng = random.Random()
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How one backend operation is retried.
+
+    Attributes:
+        max_attempts: tries per operation, including the first (1 disables retries).
+        base_delay_s: backoff scale; attempt ``n`` waits up to ``base * 2**n`` seconds.
+        max_delay_s: cap of one backoff sleep.
+        attempt_timeout_s: limit of one attempt (connect + transfer), after which it is retried.
+    """
+
+    max_attempts: int = 4
+    base_delay_s: float = 0.05
+    max_delay_s: float = 2.0
+    attempt_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1 or self.base_delay_s < 0 or self.max_delay_s < 0 or self.attempt_timeout_s <= 0:
+            raise ValueError(f"invalid RetryPolicy {self}")
+
+    def backoff(self, attempt: int) -> float:
+        return _rng.uniform(0.0, min(self.max_delay_s, self.base_delay_s * (2 ** attempt)))
+
+
+class CircuitBreaker:
+    """Stops calls to a dead endpoint; lets one probe through after ``cooldown_s``."""
+
+    def __init__(self, failure_threshold: int = 5, cooldown_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if failure_threshold < 1 or cooldown_s < 0:
+            raise ValueError("failure_threshold must be >= 1 and cooldown_s >= 0")
+        self.failure_threshold = failure_threshold
+        self.cooldown_s = cooldown_s
+        self._clock = clock
+        self._failures = 0
+        self._open_until: float | None = None
+        self._probing = False
+        self.opened_count = 0  # times the breaker tripped (metrics)
+
+    @property
+    def state(self) -> str:
+        if self._open_until is None:
+            return "closed"
+        return "open" if self._clock() < self._open_until or self._probing else "half-open"
+
+    def before_call(self) -> bool:
+        """Raise ``TierUnavailable`` if calls are blocked; return True if this call is the probe."""
+        if self._open_until is None:
+            return False
+        if self._clock() < self._open_until or self._probing:
+            raise TierUnavailable("object store circuit breaker is open (endpoint failing)")
+        self._probing = True
+        return True
+
+    def on_success(self, probe: bool) -> None:
+        if probe or self._failures:
+            self._failures = 0
+        if probe:
+            log.info("object store reachable again; circuit breaker closed")
+            self._probing = False
+            self._open_until = None
+
+    def on_failure(self, probe: bool) -> None:
+        self._failures += 1
+        if probe or self._failures >= self.failure_threshold:
+            if self._open_until is None:
+                self.opened_count += 1
+                log.warning("object store failing (%d in a row); circuit breaker open for %.1fs",
+                            self._failures, self.cooldown_s)
+            self._open_until = self._clock() + self.cooldown_s
+            self._probing = False
+
+
+class Retryable(Exception):
+    """Raised by an attempt to request a retry; ``__cause__`` holds the original error."""
+
+
+async def call_with_retries(attempt: Callable[[], Awaitable[T]], *, policy: RetryPolicy,
+                            breaker: CircuitBreaker, is_transient: Callable[[BaseException], bool],
+                            what: str, on_retry: Callable[[], None] | None = None) -> T:
+    """Run ``attempt()`` under the policy and breaker.
+
+    ``attempt`` returns normally for outcomes that are not faults (including "missing"); it raises
+    for faults. Transient faults (``is_transient``) and attempt timeouts are retried.
+
+    Raises:
+        TierUnavailable: breaker open, a permanent fault, or retries exhausted.
+    """
+    probe = breaker.before_call()
+    last: BaseException | None = None
+    for n in range(policy.max_attempts):
+        try:
+            result = await asyncio.wait_for(attempt(), timeout=policy.attempt_timeout_s)
+        except asyncio.CancelledError:
+            if probe:
+                breaker.on_failure(True)
+            raise
+        except (asyncio.TimeoutError, TimeoutError) as e:
+            last = e
+        except Exception as e:
+            if not is_transient(e):
+                breaker.on_failure(probe)
+                raise TierUnavailable(f"{what} failed: {type(e).__name__}: {e}") from e
+            last = e
+        else:
+            breaker.on_success(probe)
+            return result
+        if n + 1 < policy.max_attempts:
+            if on_retry is not None:
+                on_retry()
+            log.debug("%s: transient %s, retry %d", what, type(last).__name__, n + 1)
+            await asyncio.sleep(policy.backoff(n))
+    breaker.on_failure(probe)
+    raise TierUnavailable(f"{what} failed after {policy.max_attempts} attempts: "
+                          f"{type(last).__name__}: {last}") from last
