@@ -16,6 +16,7 @@ and segment table, never I/O except the small footer read during an eviction.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import logging
@@ -38,8 +39,17 @@ from . import metrics
 from .index import CompactIndex
 from .io import GdsVerdict, PosixIO, aligned_buffer, as_u8, probe_gds, read_extent, select_io, write_extent
 from .recovery import fsync_dir, load_tombstones, recover_segments
-from .segment import LOCK_FILE, TOMBSTONE_FILE, build_footer, flushed_marker, footer_bytes, pack_tombstone, \
-    read_footer_at, segment_name
+from .segment import (
+    LOCK_FILE,
+    TOMBSTONE_FILE,
+    build_footer,
+    flushed_marker,
+    footer_bytes,
+    list_segments,
+    pack_tombstone,
+    read_footer_at,
+    segment_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +192,8 @@ class SSDTier(Tier):
 
     def _recover(self) -> None:
         assert self._io is not None
+        seen = list_segments(self.rank_dir)
+        self._next_seq = seen[-1][0] + 1 if seen else 1  # never reuse a seq, even of a removed file
         recovered = recover_segments(self.rank_dir, self.rank)
         dead = load_tombstones(self.rank_dir, {r.seq for r in recovered})
         for r in recovered:
@@ -191,9 +203,12 @@ class SSDTier(Tier):
             self._used += r.size
             for key, off, length in zip(r.entries["key"].tolist(), r.entries["offset"].tolist(),
                                         r.entries["length"].tolist()):
-                if (r.seq, off) not in dead:
+                # Entries arrive in write order, so the newest location decides: a tombstone on
+                # it means the key was deleted after every older copy was written.
+                if (r.seq, off) in dead:
+                    self._index.pop(key)
+                else:
                     self._index.put(key, r.seq, off, length)
-            self._next_seq = r.seq + 1
         metrics.USED_BYTES.set(self._used)
         log.info("SSD tier %s: recovered %d segments, %d blocks, %d bytes; io=%s", self.rank_dir,
                  len(recovered), len(self._index), self._used, self.io_path)
@@ -218,10 +233,8 @@ class SSDTier(Tier):
 
     def _close_sync(self) -> None:
         if self.disabled_reason is None and self.readonly_reason is None:
-            try:
+            with contextlib.suppress(TierUnavailable):
                 self._seal_sync()
-            except TierUnavailable:
-                pass
         with self._lock:
             for seg in self._segments.values():
                 if self._io is not None:
@@ -336,10 +349,8 @@ class SSDTier(Tier):
             self._append_tombstones(superseded)
 
     def _write_failed(self, seg: _Segment, offset: int, e: OSError) -> None:
-        try:
+        with contextlib.suppress(OSError):
             os.ftruncate(seg.fd, offset)  # drop whatever part of the run reached the file
-        except OSError:
-            pass
         reason = f"write to {seg.path.name} failed: {e}"
         if e.errno in _DEGRADING_ERRNOS:
             log.error("SSD tier stops accepting writes (reads still served): %s", reason)
@@ -406,10 +417,7 @@ class SSDTier(Tier):
         seg.dead = True
         self._used -= seg.size
         for p in (seg.path, flushed_marker(seg.path)):
-            try:
-                p.unlink()
-            except FileNotFoundError:
-                pass
+            p.unlink(missing_ok=True)
         if seg.readers == 0:
             self._io.close_fd(seg.fd)
         metrics.EVICTED_SEGMENTS.inc()
