@@ -35,7 +35,7 @@ class CompactIndex:
         self._off = array("I")
         self._len = array("I")
         self._free = array("I")
-        self._table = array("q", [_EMPTY]) * _MIN_SLOTS
+        self._table = array("i", [_EMPTY]) * _MIN_SLOTS
         self._mask = _MIN_SLOTS - 1
         self._count = 0
         self._occupied = 0  # live + deleted slots
@@ -130,7 +130,7 @@ class CompactIndex:
         size = _MIN_SLOTS
         while size < self._count * 4:
             size *= 2
-        table = array("q", [_EMPTY]) * size
+        table = array("i", [_EMPTY]) * size
         mask = size - 1
         k0s, seg = self._k0, self._seg
         for r in range(len(seg)):

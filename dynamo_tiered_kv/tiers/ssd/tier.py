@@ -147,6 +147,8 @@ class SSDTier(Tier):
         self.disabled_reason: str | None = None  # set when the tier serves nothing (no SSD tier)
         self.readonly_reason: str | None = None  # set when writes stopped (reads still served)
         self.gds: GdsVerdict = GdsVerdict(False, "not probed")
+        #: logical I/O requests issued: one per contiguous run (bounced runs may take more syscalls)
+        self.io_stats = {"read_requests": 0, "write_requests": 0}
 
     # --- lifecycle --------------------------------------------------------------------------
     @property
@@ -324,6 +326,7 @@ class SSDTier(Tier):
         self._make_room(need)
         offset = seg.data_bytes
         try:
+            self.io_stats["write_requests"] += 1
             write_extent(self._io, seg.fd, offset, [v for _, v in run], self._bounce())
             if self._fsync:
                 self._io.sync(seg.fd)
@@ -540,6 +543,7 @@ class SSDTier(Tier):
                     end += 1
                 run = ops[start:end]
                 dsts = [as_u8(requests[i].into)[:n] for _, _, n, i in run]
+                self.io_stats["read_requests"] += 1
                 try:
                     read_extent(self._io, run[0][0].fd, run[0][1], dsts, bounce)
                 except OSError as e:
