@@ -1,0 +1,173 @@
+"""Render a Plan as text tables (what ``dtkv plan`` prints) or as a JSON-ready dict."""
+
+from __future__ import annotations
+
+import math
+
+from .hardware import GIB, PRICES, TIB
+from .model import Plan, TierResult, TtftRow
+
+_BINARY_TIERS = {"HBM", "DRAM"}  # memory is sized in GiB/TiB, drives in GB/TB
+
+
+def assumptions(p: Plan) -> list[str]:
+    """Every assumption behind the numbers, the scenario's own first."""
+    s, m = p.scenario, p.scenario.model
+    d_qk = m.qk_head_dim or m.head_size
+    d_v = m.v_head_dim or m.head_size
+    lines = list(s.assumptions)
+    lines += [
+        "minutes = usable bytes / (tokens/s x bytes/token); HBM holds the engine's raw KV, DRAM/SSD/HDD-S3 "
+        f"hold our records ({p.stored_bytes_per_block:,} B per {s.block_size}-token block, headers included)",
+        f"prefill FLOPs(T) = 2 x {m.active_params:.3g} x T + {m.layers} x {m.q_heads} x ({d_qk}+{d_v}) x T x (T+1)"
+        f"; recompute = FLOPs / (TP x dense bf16 peak x MFU {s.mfu:g})",
+        "restore = latency + bytes / min(tier GB/s, TP x host-link GB/s) + compute of the tokens after the last "
+        "whole block; loading and compute do not overlap (conservative)",
+        f"HBM price = GPU rent (${s.gpu.usd_per_hour:.2f}/h for {s.gpu.name}) / its memory; "
+        + "; ".join(f"{k.upper()}: {v.basis}" for k, v in PRICES.items())
+        + " (hardware only; override with --price TIER=USD)",
+    ]
+    lines += [f"{t.name}: {t.note}" for t in p.tiers if t.note]
+    return lines
+
+
+def _size(nbytes: float, binary: bool) -> str:
+    if binary:
+        return f"{nbytes / TIB:.2f} TiB" if nbytes >= TIB else f"{nbytes / GIB:.1f} GiB"
+    return f"{nbytes / 1e15:.2f} PB" if nbytes >= 1e15 else f"{nbytes / 1e12:.2f} TB"
+
+
+def _secs(x: float) -> str:
+    return f"{x:.3g} s" if x < 100 else f"{x:,.0f} s"
+
+
+def _minutes(x: float) -> str:
+    return f"{x:.2f}" if x < 100 else f"{x:,.0f}"
+
+
+def _money(x: float) -> str:
+    if math.isinf(x):
+        return "-"
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return [fmt(header), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
+
+
+def _tier_row(t: TierResult) -> list[str]:
+    binary = t.name in _BINARY_TIERS
+    return [
+        t.name,
+        _size(t.capacity_bytes, binary),
+        _size(t.usable_bytes, binary),
+        _minutes(t.minutes),
+        f"{t.hours:.2f}",
+        f"{t.price_gb_month:.3g}",
+        _money(t.usd_month),
+        _money(t.usd_month_per_context_hour),
+        f"{t.restore_gbps:,.0f}",
+    ]
+
+
+def _ttft_row(r: TtftRow, tiers: list[str]) -> list[str]:
+    cells = [r.gpu, str(r.tp), f"{r.tokens:,}", _secs(r.recompute_s)]
+    cells += [f"{_secs(r.restore_s[t])} ({-100 * r.reduction(t):+.0f}%)" for t in tiers]
+    cells.append("unreachable" if math.isinf(r.gbps_for_95) else f"{r.gbps_for_95:,.1f}")
+    return cells
+
+
+def format_text(p: Plan) -> str:
+    """The plan as aligned text tables followed by the assumptions."""
+    s, m = p.scenario, p.scenario.model
+    rate = s.tokens_per_s * p.kv_bytes_per_token
+    attn = "MLA latent" if m.mla else f"{m.kv_heads} KV heads x {m.head_size}"
+    overhead = p.stored_bytes_per_token / p.kv_bytes_per_token - 1
+    out = [
+        f"dtkv plan: scenario {s.name}",
+        f"model     {m.name}: {m.layers} layers x {attn}, {m.kv_dtype} KV, {m.active_params / 1e9:.3g}B active params",
+        f"KV/token  {p.kv_bytes_per_token:,} B raw; {p.stored_bytes_per_token:,.0f} B stored "
+        f"({p.stored_bytes_per_block:,} B record per {s.block_size}-token block, {overhead:+.2%})",
+        f"rate      {s.tokens_per_s:,.0f} tokens/s = {rate / 1e9:.3g} GB/s ({rate / GIB:.3g} GiB/s) of KV "
+        f"on {p.tp} x {s.gpu.name} (TP {p.tp})",
+        "",
+        "Capacity and cost per tier",
+    ]
+    header = ["tier", "capacity", "usable", "minutes", "hours", "$/GB-mo", "$/month", "$/mo per ctx-h", "GB/s"]
+    out += _table(header, [_tier_row(t) for t in p.tiers])
+    names = [t.name for t in p.tiers]
+    out += [
+        "",
+        f"TTFT: restore from each tier vs recompute (MFU {s.mfu:g}, dense bf16 peak). Cells: restore TTFT and",
+        "its change vs recompute; last column: GB/s a zero-latency tier needs to cut TTFT by 95%",
+    ]
+    header = ["gpu", "tp", "tokens", "recompute", *names, "GB/s for -95%"]
+    out += _table(header, [_ttft_row(r, names) for r in p.ttft])
+    out += ["", "Assumptions", *(f"- {a}" for a in assumptions(p))]
+    return "\n".join(out)
+
+
+def _finite(x: float) -> float | None:
+    return None if math.isinf(x) or math.isnan(x) else x
+
+
+def to_dict(p: Plan) -> dict:
+    """The plan as plain JSON types (infinities become null)."""
+    s, m = p.scenario, p.scenario.model
+    return {
+        "scenario": s.name,
+        "model": {
+            "name": m.name,
+            "layers": m.layers,
+            "kv_heads": m.kv_heads,
+            "head_size": m.head_size,
+            "q_heads": m.q_heads,
+            "mla": m.mla,
+            "kv_dtype": m.kv_dtype,
+            "active_params": m.active_params,
+            "weight_bytes": m.weight_bytes,
+        },
+        "gpu": s.gpu.name,
+        "tp": p.tp,
+        "tokens_per_s": s.tokens_per_s,
+        "block_size": s.block_size,
+        "mfu": s.mfu,
+        "kv_bytes_per_token": p.kv_bytes_per_token,
+        "stored_bytes_per_token": p.stored_bytes_per_token,
+        "stored_bytes_per_block": p.stored_bytes_per_block,
+        "tiers": [
+            {
+                "name": t.name,
+                "capacity_bytes": t.capacity_bytes,
+                "usable_bytes": t.usable_bytes,
+                "bytes_per_token": t.bytes_per_token,
+                "minutes": t.minutes,
+                "minutes_raw_kv": t.minutes_raw,
+                "hours": t.hours,
+                "price_usd_per_gb_month": t.price_gb_month,
+                "usd_per_month": t.usd_month,
+                "usd_per_month_per_context_hour": _finite(t.usd_month_per_context_hour),
+                "restore_gbps": t.restore_gbps,
+                "latency_s": t.latency_s,
+            }
+            for t in p.tiers
+        ],
+        "ttft": [
+            {
+                "gpu": r.gpu,
+                "tp": r.tp,
+                "tokens": r.tokens,
+                "restored_tokens": r.restored_tokens,
+                "recompute_s": r.recompute_s,
+                "restore_s": r.restore_s,
+                "restore_bytes": r.restore_bytes,
+                "reduction": {k: r.reduction(k) for k in r.restore_s},
+                "speedup": {k: r.speedup(k) for k in r.restore_s},
+                "gbps_for_95pct_reduction": _finite(r.gbps_for_95),
+            }
+            for r in p.ttft
+        ],
+        "assumptions": assumptions(p),
+    }
