@@ -1,0 +1,334 @@
+{{/* ---------------------------------------------------------------- names and labels */}}
+
+{{- define "dtkv.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "dtkv.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "dtkv.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "dtkv.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: dynamo
+{{- end -}}
+
+{{- define "dtkv.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "dtkv.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* Selects the worker pods (Deployment, StatefulSet or the DGD's worker service). */}}
+{{- define "dtkv.workerSelectorLabels" -}}
+{{ include "dtkv.selectorLabels" . }}
+app.kubernetes.io/component: worker
+{{- end -}}
+
+{{- define "dtkv.secretName" -}}
+{{- if .Values.secret.create -}}
+{{- include "dtkv.fullname" . -}}
+{{- else -}}
+{{- required "secret.existingSecret is required when secret.create=false" .Values.secret.existingSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "dtkv.image" -}}
+{{- $repo := required "image.repository is required (an image with Dynamo's vLLM runtime and dynamo-tiered-kv)" .Values.image.repository -}}
+{{- printf "%s:%s" $repo (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "dtkv.configMountPath" -}}/etc/dynamo-tiered-kv{{- end -}}
+
+{{/* ---------------------------------------------------------------- sizes */}}
+
+{{/*
+Bytes from an integer or a Kubernetes-style quantity ("32Gi", "500G", "1048576").
+Returns "" for anything else (callers decide whether that is an error).
+*/}}
+{{- define "dtkv.bytes" -}}
+{{- if kindIs "string" . -}}
+{{- $units := dict "" 1 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "Pi" 1125899906842624 "K" 1000 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "P" 1000000000000000 -}}
+{{- if regexMatch "^[0-9]+(Ki|Mi|Gi|Ti|Pi|K|k|M|G|T|P)?$" . -}}
+{{- $num := regexFind "^[0-9]+" . -}}
+{{- $unit := trimPrefix $num . -}}
+{{- mul (int64 $num) (get $units $unit) -}}
+{{- end -}}
+{{- else if or (kindIs "float64" .) (kindIs "int64" .) (kindIs "int" .) -}}
+{{- int64 . -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "dtkv.tpSize" -}}
+{{- $tp := .Values.model.tensorParallelSize -}}
+{{- if kindIs "invalid" $tp -}}{{ .Values.worker.gpus | int }}{{- else -}}{{ $tp | int }}{{- end -}}
+{{- end -}}
+
+{{- define "dtkv.ssdEnabled" -}}
+{{- if ne .Values.ssd.type "none" -}}true{{- end -}}
+{{- end -}}
+
+{{/* ---------------------------------------------------------------- tiered-kv config */}}
+
+{{/*
+The TieredKVConfig mapping rendered into the ConfigMap (YAML). `forGC` drops the SSD and
+metrics settings: the GC job has no SSD volume and serves no metrics.
+*/}}
+{{- define "dtkv.configMap" -}}
+{{- $root := .root -}}
+{{- $v := $root.Values -}}
+{{- $cfg := dict -}}
+{{- range $k, $val := $v.tieredKV -}}
+{{- if not (kindIs "invalid" $val) -}}{{- $_ := set $cfg $k $val -}}{{- end -}}
+{{- end -}}
+{{- range $k := list "host_capacity_bytes" "ssd_capacity_bytes" "ssd_segment_bytes" "s3_part_bytes" "staging_slab_bytes" -}}
+{{- if hasKey $cfg $k -}}
+{{- $b := include "dtkv.bytes" (get $cfg $k) -}}
+{{- if eq $b "" -}}{{- fail (printf "tieredKV.%s: %v is neither an integer nor a quantity like 32Gi" $k (get $cfg $k)) -}}{{- end -}}
+{{- $_ := set $cfg $k ($b | int64) -}}
+{{- end -}}
+{{- end -}}
+{{- if .forGC -}}
+{{- range $k := keys $cfg -}}
+{{- if hasPrefix "ssd_" $k -}}{{- $_ := unset $cfg $k -}}{{- end -}}
+{{- end -}}
+{{- else -}}
+{{- if include "dtkv.ssdEnabled" $root -}}
+{{- $_ := set $cfg "ssd_dir" $v.ssd.mountPath -}}
+{{- if not (hasKey $cfg "ssd_capacity_bytes") -}}
+{{- $size := include "dtkv.bytes" (required "ssd.size or tieredKV.ssd_capacity_bytes is required when the SSD tier is on" $v.ssd.size) -}}
+{{- if eq $size "" -}}{{- fail (printf "ssd.size: %v is not a quantity like 200Gi" $v.ssd.size) -}}{{- end -}}
+{{- $per := div (mul ($size | int64) ($v.ssd.fillPercent | int64)) (mul 100 (include "dtkv.tpSize" $root | int64)) -}}
+{{- $_ := set $cfg "ssd_capacity_bytes" $per -}}
+{{- end -}}
+{{- end -}}
+{{- if $v.metrics.enabled -}}
+{{- $_ := set $cfg "metrics_port" ($v.metrics.port | int) -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $cfg -}}
+{{- end -}}
+
+{{/* The --kv-transfer-config JSON for vLLM. */}}
+{{- define "dtkv.kvTransferConfig" -}}
+{{- $c := dict "kv_connector" "TieredKVConnector" "kv_connector_module_path" "dynamo_tiered_kv.connectors.vllm" "kv_role" .Values.connector.kvRole "kv_connector_extra_config" (.Values.connector.extraConfig | default dict) -}}
+{{- toJson $c -}}
+{{- end -}}
+
+{{/* ---------------------------------------------------------------- worker pieces */}}
+
+{{- define "dtkv.workerArgs" -}}
+{{- $args := list "--model" (required "model.name is required" .Values.model.name) -}}
+{{- with .Values.model.servedModelName -}}{{- $args = concat $args (list "--served-model-name" .) -}}{{- end -}}
+{{- $tp := include "dtkv.tpSize" . -}}
+{{- if ne $tp "1" -}}{{- $args = concat $args (list "--tensor-parallel-size" $tp) -}}{{- end -}}
+{{- $args = concat $args (list "--kv-transfer-config" (include "dtkv.kvTransferConfig" .)) -}}
+{{- $args = concat $args .Values.model.extraArgs -}}
+{{- toYaml $args -}}
+{{- end -}}
+
+{{/* Container env: pod identity, the config file, secrets by reference, then user env. */}}
+{{- define "dtkv.workerEnv" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: DYN_TIERED_KV_CONFIG_FILE
+  value: {{ include "dtkv.configMountPath" . }}/config.yaml
+{{ include "dtkv.secretEnv" . }}
+{{- with .Values.model.hfTokenSecret.name }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.model.hfTokenSecret.key }}
+{{- end }}
+{{- with .Values.worker.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Secret env shared by the worker and the GC job. S3 keys are optional (IRSA etc.). */}}
+{{- define "dtkv.secretEnv" -}}
+{{- $name := include "dtkv.secretName" . -}}
+- name: DYN_TIERED_KV_TENANT_SALT
+  valueFrom:
+    secretKeyRef:
+      name: {{ $name }}
+      key: {{ .Values.secret.keys.tenantSalt }}
+- name: DYN_TIERED_KV_S3_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $name }}
+      key: {{ .Values.secret.keys.s3AccessKey }}
+      optional: true
+- name: DYN_TIERED_KV_S3_SECRET_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $name }}
+      key: {{ .Values.secret.keys.s3SecretKey }}
+      optional: true
+{{- end -}}
+
+{{/* The SSD volume (not for volumeClaimTemplate, which the StatefulSet declares itself). */}}
+{{- define "dtkv.ssdVolume" -}}
+{{- $s := .Values.ssd -}}
+{{- if eq $s.type "emptyDir" }}
+- name: ssd
+  emptyDir:
+    {{- with $s.size }}
+    sizeLimit: {{ . }}
+    {{- end }}
+{{- else if eq $s.type "hostPath" }}
+- name: ssd
+  hostPath:
+    path: {{ $s.hostPath.path }}
+    type: {{ $s.hostPath.type }}
+{{- else if eq $s.type "localPV" }}
+- name: ssd
+  persistentVolumeClaim:
+    claimName: {{ include "dtkv.fullname" . }}-ssd
+{{- else if eq $s.type "existingClaim" }}
+- name: ssd
+  persistentVolumeClaim:
+    claimName: {{ required "ssd.existingClaim is required for ssd.type=existingClaim" $s.existingClaim }}
+{{- end }}
+{{- end -}}
+
+{{- define "dtkv.volumes" -}}
+- name: config
+  configMap:
+    name: {{ include "dtkv.fullname" . }}
+{{- include "dtkv.ssdVolume" . }}
+{{- if and .Values.worker.shm.enabled (ne .Values.worker.kind "DynamoGraphDeployment") }}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.worker.shm.size }}
+{{- end }}
+{{- if .Values.ssd.mountRunUdev }}
+- name: run-udev
+  hostPath:
+    path: /run/udev
+    type: Directory
+{{- end }}
+{{- with .Values.worker.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "dtkv.volumeMounts" -}}
+- name: config
+  mountPath: {{ include "dtkv.configMountPath" . }}
+  readOnly: true
+{{- if include "dtkv.ssdEnabled" . }}
+- name: ssd
+  mountPath: {{ .Values.ssd.mountPath }}
+  {{- if and .Values.ssd.perPodSubdir (has .Values.ssd.type (list "hostPath" "localPV" "existingClaim")) }}
+  subPathExpr: $(POD_NAME)
+  {{- end }}
+{{- end }}
+{{- if and .Values.worker.shm.enabled (ne .Values.worker.kind "DynamoGraphDeployment") }}
+- name: dshm
+  mountPath: /dev/shm
+{{- end }}
+{{- if .Values.ssd.mountRunUdev }}
+- name: run-udev
+  mountPath: /run/udev
+  readOnly: true
+{{- end }}
+{{- with .Values.worker.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "dtkv.ports" -}}
+{{- if .Values.metrics.enabled }}
+- name: dtkv-metrics
+  containerPort: {{ .Values.metrics.port }}
+  protocol: TCP
+{{- end }}
+{{- end -}}
+
+{{/* Pod annotations that roll the pods when the config or the created Secret changes. */}}
+{{- define "dtkv.checksums" -}}
+checksum/config: {{ include (print $.Template.BasePath "/configmap.yaml") . | sha256sum }}
+{{- if .Values.secret.create }}
+checksum/secret: {{ include (print $.Template.BasePath "/secret.yaml") . | sha256sum }}
+{{- end }}
+{{- end -}}
+
+{{/* ---------------------------------------------------------------- checks */}}
+
+{{/* Cross-field checks the JSON schema cannot express; fail at render time, not at 3 a.m. */}}
+{{- define "dtkv.validate" -}}
+{{- $v := .Values -}}
+{{- $tp := include "dtkv.tpSize" . | int -}}
+{{- if gt $tp ($v.worker.gpus | int) -}}
+{{- fail (printf "model.tensorParallelSize (%d) needs at least that many worker.gpus (%d)" $tp ($v.worker.gpus | int)) -}}
+{{- end -}}
+{{- if and (eq $v.ssd.type "volumeClaimTemplate") (ne $v.worker.kind "StatefulSet") -}}
+{{- fail "ssd.type=volumeClaimTemplate needs worker.kind=StatefulSet" -}}
+{{- end -}}
+{{- if and (eq $v.ssd.type "localPV") (not $v.ssd.localPV.nodeName) -}}
+{{- fail "ssd.localPV.nodeName is required for ssd.type=localPV (the node whose NVMe holds the volume)" -}}
+{{- end -}}
+{{- if and (has $v.ssd.type (list "localPV" "volumeClaimTemplate")) (not $v.ssd.size) -}}
+{{- fail (printf "ssd.size is required for ssd.type=%s" $v.ssd.type) -}}
+{{- end -}}
+{{- if and $v.gc.enabled (not $v.tieredKV.object_url) -}}
+{{- fail "gc.enabled needs tieredKV.object_url (GC runs against the object tier)" -}}
+{{- end -}}
+{{- if and $v.secret.create (not $v.secret.tenantSalt) -}}
+{{- fail "secret.tenantSalt is required with secret.create=true (or set secret.create=false and secret.existingSecret); it must stay the same for the life of the stored data" -}}
+{{- end -}}
+{{- if and $v.secret.create $v.secret.existingSecret -}}
+{{- fail "set either secret.create=true or secret.existingSecret, not both" -}}
+{{- end -}}
+{{- if and $v.worker.shm.enabled (eq (include "dtkv.bytes" $v.worker.shm.size) "") -}}
+{{- fail (printf "worker.shm.size: %v is not a quantity like 16Gi" $v.worker.shm.size) -}}
+{{- end -}}
+{{- include "dtkv.validateMemory" . -}}
+{{- end -}}
+
+{{/*
+Memory limit check: per TP rank the store holds host_capacity_bytes of pinned DRAM plus its
+staging slabs (package defaults 8 x 32 MiB); a memory-backed /dev/shm counts against the same
+cgroup limit; plus worker.engineMemoryOverhead for the engine itself.
+*/}}
+{{- define "dtkv.validateMemory" -}}
+{{- $v := .Values -}}
+{{- $limit := "" -}}
+{{- with $v.worker.resources.limits -}}{{- with .memory -}}{{- $limit = include "dtkv.bytes" . -}}{{- end -}}{{- end -}}
+{{- if ne $limit "" -}}
+{{- $tp := include "dtkv.tpSize" . | int64 -}}
+{{- $host := 2147483648 -}}
+{{- if not (kindIs "invalid" $v.tieredKV.host_capacity_bytes) -}}{{- $host = include "dtkv.bytes" $v.tieredKV.host_capacity_bytes | int64 -}}{{- end -}}
+{{- $slab := 33554432 -}}
+{{- if not (kindIs "invalid" $v.tieredKV.staging_slab_bytes) -}}{{- $slab = include "dtkv.bytes" $v.tieredKV.staging_slab_bytes | int64 -}}{{- end -}}
+{{- $slabs := 8 -}}
+{{- if not (kindIs "invalid" $v.tieredKV.staging_slabs) -}}{{- $slabs = $v.tieredKV.staging_slabs | int64 -}}{{- end -}}
+{{- $shm := 0 -}}
+{{- if $v.worker.shm.enabled -}}{{- $shm = include "dtkv.bytes" $v.worker.shm.size | int64 -}}{{- end -}}
+{{- $over := include "dtkv.bytes" $v.worker.engineMemoryOverhead | int64 -}}
+{{- $need := add (mul $tp (add $host (mul $slab $slabs))) $shm $over -}}
+{{- if lt ($limit | int64) $need -}}
+{{- fail (printf "worker.resources.limits.memory (%s = %s bytes) is below what the pod pins: %d TP rank(s) x (host_capacity_bytes %d + staging %d x %d) + /dev/shm %d + engineMemoryOverhead %d = %d bytes; raise the limit or lower tieredKV.host_capacity_bytes" $v.worker.resources.limits.memory $limit $tp $host $slabs $slab $shm $over $need) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
