@@ -11,13 +11,15 @@ that layer into the engine. Nothing unverified is ever copied out.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
 
+from ._native import fast
 from .errors import (
     BadMagic,
     ChecksumMismatch,
@@ -25,6 +27,7 @@ from .errors import (
     KeyMismatch,
     LayoutMismatch,
     NamespaceMismatch,
+    RecordError,
     RecordTruncated,
     UnsupportedVersion,
 )
@@ -54,13 +57,13 @@ def header_bytes(num_layers: int) -> int:
     return align_up(_TABLE_OFF + 8 * num_layers)
 
 
+@functools.lru_cache(maxsize=64)
 def record_bytes(shape: BlockShape) -> int:
     """Bytes one record of this shape occupies on every medium (a multiple of 4 KiB)."""
     return header_bytes(shape.num_layers) + align_up(shape.payload_bytes)
 
 
-@dataclass(frozen=True)
-class RecordHeader:
+class RecordHeader(NamedTuple):  # a NamedTuple: built on every read, so construction must be cheap
     namespace: bytes
     key: bytes
     parent: bytes
@@ -88,26 +91,18 @@ def _as_u8(buf) -> np.ndarray:
     return a
 
 
-def _write_header(
-    out: np.ndarray,
-    shape: BlockShape,
-    engine_kind: EngineLayoutKind,
-    namespace: bytes,
-    key: bytes,
-    parent: bytes,
-    sums: Sequence[int],
-) -> None:
-    if len(namespace) != KEY_BYTES or len(key) != KEY_BYTES or len(parent) != KEY_BYTES:
-        raise ValueError("namespace digest, key and parent must each be 16 bytes")
+@functools.lru_cache(maxsize=64)
+def _descriptor(shape: BlockShape, engine_kind: EngineLayoutKind) -> tuple[bytes, bytes]:
+    """The constant parts of the fixed header for a shape: bytes [0, 16) and [64, 120)."""
     hb = header_bytes(shape.num_layers)
     fixed = _FIXED.pack(
         MAGIC,
         FORMAT_VERSION,
         0,
         hb,
-        namespace,
-        key,
-        parent,
+        bytes(16),
+        bytes(16),
+        bytes(16),
         int(shape.canonical),
         int(shape.dtype),
         int(engine_kind),
@@ -122,13 +117,23 @@ def _write_header(
         record_bytes(shape),
         bytes(8),
     )
+    return fixed[:16], fixed[64:]
+
+
+def _write_header(
+    out: np.ndarray, shape: BlockShape, engine_kind: EngineLayoutKind, namespace: bytes, key: bytes, parent: bytes, sums
+) -> None:
+    if len(namespace) != KEY_BYTES or len(key) != KEY_BYTES or len(parent) != KEY_BYTES:
+        raise ValueError("namespace digest, key and parent must each be 16 bytes")
+    prefix, desc = _descriptor(shape, engine_kind)
+    fixed = prefix + namespace + key + parent + desc
     table = np.asarray(sums, dtype="<u8").tobytes()
-    h = xxhash.xxh3_64(fixed)
-    h.update(table)
-    out[:_FIXED_BYTES] = np.frombuffer(fixed, np.uint8)
-    out[_HDR_SUM_OFF:_TABLE_OFF] = np.frombuffer(struct.pack("<Q", h.intdigest()), np.uint8)
-    out[_TABLE_OFF : _TABLE_OFF + len(table)] = np.frombuffer(table, np.uint8)
-    out[_TABLE_OFF + len(table) : hb] = 0
+    head = fixed + _U64.pack(xxhash.xxh3_64_intdigest(fixed + table)) + table
+    out[: len(head)] = np.frombuffer(head, np.uint8)
+    out[len(head) : header_bytes(shape.num_layers)] = 0
+
+
+_U64 = struct.Struct("<Q")
 
 
 def encode_block(layout: EngineLayout, block_id: int, namespace: bytes, key: bytes, parent: bytes, out) -> int:
@@ -169,6 +174,13 @@ def encode_blocks(
             base = i * rb + hb
             sums = [xxhash.xxh3_64_intdigest(mv[base + j * lb : base + (j + 1) * lb]) for j in range(nl)]
             _finish(dst[i * rb : (i + 1) * rb], shape, layout.kind, namespaces[i], keys[i], parents[i], sums)
+        return n * rb
+    table = layout.fast_table()
+    if table is not None:  # compiled path: one call for the whole batch, GIL released
+        sums_all = np.empty((n, nl), dtype=np.uint64)
+        fast.gather_hash(table, np.asarray(block_ids, dtype=np.int64), dst, rb, hb, sums_all)
+        for i in range(n):
+            _finish(dst[i * rb : (i + 1) * rb], shape, layout.kind, namespaces[i], keys[i], parents[i], sums_all[i])
         return n * rb
     views = layout.layer_views
     h64 = xxhash.xxh3_64_intdigest
@@ -221,48 +233,42 @@ def encode_payload(
     return rec.nbytes
 
 
+_PREFIX = struct.Struct("<8sHHI")
+_DESC = struct.Struct("<BBBBIIIIIQQQ8s")
+
+
 def decode_header(buf) -> RecordHeader:
     """Parse and verify a record header (magic, version, header checksum, lengths)."""
     a = _as_u8(buf)
     if a.nbytes < _TABLE_OFF:
         raise RecordTruncated(f"{a.nbytes} bytes is shorter than a record header")
-    fixed = a[:_FIXED_BYTES].tobytes()
-    (
-        magic,
-        version,
-        _flags,
-        hb,
-        ns,
-        key,
-        parent,
-        canon,
-        dtype,
-        ekind,
-        algo,
-        nl,
-        bs,
-        heads,
-        hs,
-        ntok,
-        lb,
-        pb,
-        rb,
-        _res,
-    ) = _FIXED.unpack(fixed)
+    magic, version, _flags, hb = _PREFIX.unpack_from(a, 0)
     if magic != MAGIC:
         raise BadMagic(f"bad magic {magic!r}")
     if version != FORMAT_VERSION:
         raise UnsupportedVersion(f"record format version {version}, this reader understands {FORMAT_VERSION}")
+    nl = int.from_bytes(a[68:72], "little")
     if nl <= 0 or nl > 65536 or hb != header_bytes(nl):
         raise HeaderCorrupt(f"implausible header (layers={nl}, header_bytes={hb})")
     if a.nbytes < hb:
         raise RecordTruncated(f"{a.nbytes} bytes, header needs {hb}")
-    table = a[_TABLE_OFF : _TABLE_OFF + 8 * nl]
-    h = xxhash.xxh3_64(fixed)
-    h.update(table)
-    (stored,) = struct.unpack("<Q", a[_HDR_SUM_OFF:_TABLE_OFF].tobytes())
-    if h.intdigest() != stored or algo != CHECKSUM_XXH3_64:
+    mv = memoryview(a)
+    h = xxhash.xxh3_64(mv[:_FIXED_BYTES])
+    h.update(mv[_TABLE_OFF : _TABLE_OFF + 8 * nl])
+    if h.intdigest() != _U64.unpack_from(a, _HDR_SUM_OFF)[0]:
         raise HeaderCorrupt("record header checksum mismatch")
+    shape, kind = _parse_descriptor(bytes(mv[64:_FIXED_BYTES]))
+    table = a[_TABLE_OFF : _TABLE_OFF + 8 * nl].view("<u8")
+    ns, key, parent = bytes(mv[16:32]), bytes(mv[32:48]), bytes(mv[48:64])
+    return RecordHeader(ns, key, parent, shape, kind, shape.block_size, hb, record_bytes(shape), tuple(table.tolist()))
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_descriptor(desc: bytes) -> tuple[BlockShape, EngineLayoutKind]:
+    """Layout descriptor (bytes [64, 120)) -> shape; cached since a store sees few distinct shapes."""
+    canon, dtype, ekind, algo, nl, bs, heads, hs, ntok, lb, pb, rb, _res = _DESC.unpack(desc)
+    if algo != CHECKSUM_XXH3_64:
+        raise HeaderCorrupt(f"unknown checksum algorithm {algo}")
     try:
         shape = BlockShape(CanonicalFormat(canon), DType(dtype), nl, bs, heads, hs)
         kind = EngineLayoutKind(ekind)
@@ -270,7 +276,7 @@ def decode_header(buf) -> RecordHeader:
         raise HeaderCorrupt(f"invalid layout descriptor: {e}") from None
     if lb != shape.layer_bytes or pb != shape.payload_bytes or rb != record_bytes(shape) or ntok != bs:
         raise HeaderCorrupt("record lengths disagree with its layout descriptor")
-    return RecordHeader(ns, key, parent, shape, kind, ntok, hb, rb, tuple(int(x) for x in table.view("<u8")))
+    return shape, kind
 
 
 def verify_record(
@@ -334,6 +340,14 @@ def decode_block(buf, layout: EngineLayout, block_id: int, *, namespace: bytes, 
         )
         layout.synchronize()
         return hdr
+    table = layout.fast_table()
+    if table is not None:
+        bad = fast.verify_scatter(
+            table, block_id, a[hb : hb + nl * lb], a[_TABLE_OFF : _TABLE_OFF + 8 * nl].view("<u8")
+        )
+        if bad >= 0:
+            raise ChecksumMismatch(f"layer {bad} payload checksum mismatch (key {hdr.key.hex()})")
+        return hdr
     views = layout.layer_views
     layers = a[hb : hb + nl * lb].reshape(nl, *views[0].shape[1:])
     copyto = np.copyto
@@ -342,6 +356,50 @@ def decode_block(buf, layout: EngineLayout, block_id: int, *, namespace: bytes, 
             raise ChecksumMismatch(f"layer {j} payload checksum mismatch (key {hdr.key.hex()})")
         copyto(views[j][block_id], layers[j])
     return hdr
+
+
+def decode_blocks(
+    buf, layout: EngineLayout, block_ids: Sequence[int], *, namespace: bytes, keys: Sequence[bytes]
+) -> list[RecordError | None]:
+    """Batch ``decode_block`` over records laid back to back in ``buf`` (one staging slab).
+
+    Returns one entry per record: None if it was verified and copied into ``block_ids[i]``, else
+    the ``RecordError`` that rejected it (same partial-copy rule as ``decode_block``). Never
+    raises for a bad record, so one corrupt block does not fail its neighbours.
+    """
+    a = _as_u8(buf)
+    n = len(block_ids)
+    if len(keys) != n:
+        raise ValueError("block_ids and keys must have the same length")
+    rb = record_bytes(layout.shape)
+    if a.nbytes < n * rb:
+        raise ValueError(f"buffer holds {a.nbytes} bytes, {n} records need {n * rb}")
+    table = layout.fast_table()
+    if table is None:
+        out: list[RecordError | None] = []
+        for i in range(n):
+            try:
+                decode_block(a[i * rb : (i + 1) * rb], layout, block_ids[i], namespace=namespace, key=keys[i])
+                out.append(None)
+            except RecordError as e:
+                out.append(e)
+        return out
+    errors: list[RecordError | None] = [None] * n
+    want = np.zeros(n, np.uint8)
+    for i in range(n):
+        try:
+            hdr = decode_header(a[i * rb : (i + 1) * rb])
+            _check_identity(hdr, namespace, keys[i], layout.shape)
+            want[i] = 1
+        except RecordError as e:
+            errors[i] = e
+    status = np.full(n, -1, np.int64)
+    fast.verify_scatter_batch(
+        table, a, rb, header_bytes(layout.shape.num_layers), np.asarray(block_ids, dtype=np.int64), want, status
+    )
+    for i in np.flatnonzero(status >= 0):
+        errors[i] = ChecksumMismatch(f"layer {status[i]} payload checksum mismatch (key {keys[i].hex()})")
+    return errors
 
 
 def _check_identity(hdr: RecordHeader, namespace: bytes | None, key: bytes | None, shape: BlockShape | None) -> None:

@@ -23,6 +23,7 @@ the KV_SPLIT canonical format.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -105,16 +106,16 @@ class BlockShape:
             if getattr(self, name) <= 0:
                 raise ValueError(f"BlockShape.{name} must be positive")
 
-    @property
+    @functools.cached_property
     def planes(self) -> int:
         """2 for K and V, 1 for MLA's single latent."""
         return 1 if self.canonical is CanonicalFormat.MLA else 2
 
-    @property
+    @functools.cached_property
     def layer_bytes(self) -> int:
         return self.planes * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
 
-    @property
+    @functools.cached_property
     def payload_bytes(self) -> int:
         return self.num_layers * self.layer_bytes
 
@@ -156,6 +157,7 @@ class EngineLayout:
         self.num_blocks = int(views[0].shape[0])
         #: per layer, a byte view indexed [block][plane][bytes]; numpy on CPU, torch on CUDA
         self.layer_views = views if self.is_cuda else [v.numpy() for v in views]
+        self._fast = False  # built on first use by fast_table()
 
     def _block_view(self, t: torch.Tensor) -> torch.Tensor:
         """A uint8 view indexed [block][plane][bytes] (plane count = 1 if contiguous per block)."""
@@ -183,6 +185,20 @@ class EngineLayout:
         if kind is EngineLayoutKind.KVBM_FC:
             return b.reshape(t.shape[0], s.num_layers, s.layer_bytes)  # [block][layer][bytes]
         return b.reshape(t.shape[0], 1, s.layer_bytes)  # block-contiguous per layer
+
+    def fast_table(self):  # -> fast.LayerTable | None
+        """Geometry for the compiled CPU helpers, or None (CUDA, not built, or odd strides)."""
+        if self._fast is False:
+            from ._native import fast
+
+            table = None
+            if fast.AVAILABLE and not self.is_cuda:
+                try:
+                    table = fast.LayerTable(self.layer_views)
+                except ValueError:
+                    table = None
+            self._fast = table
+        return self._fast
 
     def gather_layer(self, block_id: int, layer: int, dest) -> None:  # dest: np.ndarray | Tensor
         src = self.layer_views[layer][block_id]

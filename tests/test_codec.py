@@ -195,3 +195,41 @@ def test_layout_detection_from_vllm_shapes() -> None:
 def test_output_buffer_too_small() -> None:
     with pytest.raises(ValueError, match="output buffer"):
         codec.encode_blocks(LAY, [0, 1], [NS.digest] * 2, [KEY, KEY], [ROOT_KEY] * 2, np.zeros(4096, np.uint8))
+
+
+@pytest.mark.parametrize("kind", [EngineLayoutKind.FLASH_ATTN, EngineLayoutKind.VLLM_CPU, EngineLayoutKind.KVBM_FC])
+def test_decode_blocks_isolates_bad_records(kind: EngineLayoutKind) -> None:
+    src = make_layout(kind, torch.bfloat16, seed=11)
+    dst = make_layout(kind, torch.bfloat16, seed=12)
+    keys = chain_keys(NS, range(16))
+    rb = codec.record_bytes(src.shape)
+    buf = np.zeros(4 * rb, np.uint8)
+    codec.encode_blocks(src, [0, 1, 2, 3], [NS.digest] * 4, keys, parents_of(keys), buf)
+    buf[1 * rb + codec.header_bytes(3) + src.shape.layer_bytes + 3] ^= 0x40  # record 1, layer 1
+    buf[2 * rb + 40] ^= 1  # record 2 header
+    errs = codec.decode_blocks(buf, dst, [5, 4, 3, 2], namespace=NS.digest, keys=[keys[0], keys[1], keys[2], bytes(16)])
+    assert errs[0] is None
+    assert isinstance(errs[1], ChecksumMismatch) and "layer 1" in str(errs[1])
+    assert isinstance(errs[2], HeaderCorrupt)
+    assert isinstance(errs[3], KeyMismatch)
+    for j in range(3):
+        assert np.array_equal(np.asarray(dst.layer_views[j][5]), np.asarray(src.layer_views[j][0]))
+    # record 1: layer 0 verified and copied, layer 1 rejected and not copied
+    assert np.array_equal(np.asarray(dst.layer_views[0][4]), np.asarray(src.layer_views[0][1]))
+    assert not np.array_equal(np.asarray(dst.layer_views[1][4]), np.asarray(src.layer_views[1][1]))
+
+
+def test_python_and_compiled_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dynamo_tiered_kv._native import fast
+
+    if not fast.AVAILABLE:
+        pytest.skip("compiled helpers not built")
+    lay = make_layout(EngineLayoutKind.FLASH_ATTN, torch.float16, seed=13)
+    keys = chain_keys(NS, range(12))
+    rb = codec.record_bytes(lay.shape)
+    a = np.zeros(3 * rb, np.uint8)
+    b = np.zeros(3 * rb, np.uint8)
+    codec.encode_blocks(lay, [4, 0, 2], [NS.digest] * 3, keys, parents_of(keys), a)
+    monkeypatch.setattr(lay, "_fast", None)  # force the pure-Python path
+    codec.encode_blocks(lay, [4, 0, 2], [NS.digest] * 3, keys, parents_of(keys), b)
+    assert np.array_equal(a, b)

@@ -1,0 +1,119 @@
+"""ctypes bindings for ``_fastcodec`` (built from fastcodec.c when a C compiler was available).
+
+ctypes drops the GIL for the duration of each call, so a batch encode or decode runs without
+holding up the engine's Python threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+try:
+    import xxhash._xxhash as _xxmod
+
+    from . import _fastcodec  # type: ignore[attr-defined]
+
+    _lib = ctypes.CDLL(_fastcodec.__file__)
+    _xx = ctypes.CDLL(_xxmod.__file__)
+    XXH3 = ctypes.cast(_xx.XXH3_64bits, ctypes.c_void_p).value
+    _i64, _p = ctypes.c_int64, ctypes.c_void_p
+    _lib.dtkv_gather_hash.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _p, _i64, _i64, _p]
+    _lib.dtkv_gather_hash.restype = ctypes.c_int
+    _lib.dtkv_verify_scatter.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _p]
+    _lib.dtkv_verify_scatter.restype = ctypes.c_int64
+    _lib.dtkv_verify_scatter_batch.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _i64, _p, _p, _i64, _p]
+    _lib.dtkv_verify_scatter_batch.restype = None
+    AVAILABLE = True
+except (ImportError, OSError, AttributeError) as e:  # no compiler at install time, or odd xxhash build
+    log.debug("compiled codec helpers unavailable (%s); using the Python path", e)
+    AVAILABLE = False
+
+
+class LayerTable:
+    """Engine layer geometry in the form the C helpers take (built once per layout)."""
+
+    __slots__ = ("block_stride", "num_layers", "plane_bytes", "plane_stride", "planes", "ptrs")
+
+    def __init__(self, layer_views: list[np.ndarray]) -> None:
+        v0 = layer_views[0]
+        if any(v.strides != v0.strides or v.shape[1:] != v0.shape[1:] for v in layer_views):
+            raise ValueError("layer views differ in geometry")
+        if v0.strides[2] != 1:
+            raise ValueError("plane bytes must be contiguous")
+        self.ptrs = np.array([v.ctypes.data for v in layer_views], dtype=np.uint64)
+        self.num_layers = len(layer_views)
+        self.planes = int(v0.shape[1])
+        self.plane_bytes = int(v0.shape[2])
+        self.block_stride = int(v0.strides[0])
+        self.plane_stride = int(v0.strides[1])
+
+
+def gather_hash(
+    t: LayerTable, block_ids: np.ndarray, dst: np.ndarray, record_bytes: int, header_bytes: int, sums: np.ndarray
+) -> None:
+    _lib.dtkv_gather_hash(
+        XXH3,
+        t.ptrs.ctypes.data,
+        t.num_layers,
+        t.planes,
+        t.block_stride,
+        t.plane_stride,
+        t.plane_bytes,
+        block_ids.ctypes.data,
+        len(block_ids),
+        dst.ctypes.data,
+        record_bytes,
+        header_bytes,
+        sums.ctypes.data,
+    )
+
+
+def verify_scatter(t: LayerTable, block_id: int, payload: np.ndarray, sums: np.ndarray) -> int:
+    """-1 if every layer verified and was copied, else the first failing layer."""
+    return int(
+        _lib.dtkv_verify_scatter(
+            XXH3,
+            t.ptrs.ctypes.data,
+            t.num_layers,
+            t.planes,
+            t.block_stride,
+            t.plane_stride,
+            t.plane_bytes,
+            block_id,
+            payload.ctypes.data,
+            sums.ctypes.data,
+        )
+    )
+
+
+def verify_scatter_batch(
+    t: LayerTable,
+    records: np.ndarray,
+    record_bytes: int,
+    header_bytes: int,
+    block_ids: np.ndarray,
+    want: np.ndarray,
+    status: np.ndarray,
+) -> None:
+    """Records back to back in ``records``; fills ``status`` (-1 loaded, else first bad layer)."""
+    _lib.dtkv_verify_scatter_batch(
+        XXH3,
+        t.ptrs.ctypes.data,
+        t.num_layers,
+        t.planes,
+        t.block_stride,
+        t.plane_stride,
+        t.plane_bytes,
+        records.ctypes.data,
+        record_bytes,
+        header_bytes,
+        block_ids.ctypes.data,
+        want.ctypes.data,
+        len(block_ids),
+        status.ctypes.data,
+    )

@@ -1,0 +1,75 @@
+/* Block payload movers for CPU engine layouts: gather + checksum, verify + scatter.
+ *
+ * Called through ctypes (which releases the GIL for the whole call), once per batch of blocks,
+ * so the per-layer Python overhead of the pure-Python codec path disappears. The checksum
+ * function (XXH3-64, seed 0) is passed in as a pointer taken from the `xxhash` package's own
+ * shared library, so this file needs no headers beyond libc and hashes exactly what the
+ * Python path hashes.
+ *
+ * Geometry (docs/FORMAT.md): record i at dst + i*record_bytes; layer j of its payload at
+ * header_bytes + j*layer_bytes, made of `planes` parts of plane_bytes. Engine layer j: base
+ * pointer layer_ptrs[j]; block b, plane p at + b*block_stride + p*plane_stride.
+ */
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef uint64_t (*xxh3_fn)(const void *, size_t);
+
+int dtkv_gather_hash(xxh3_fn xxh3, const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
+                     int64_t block_stride, int64_t plane_stride, int64_t plane_bytes,
+                     const int64_t *block_ids, int64_t n, uint8_t *dst, int64_t record_bytes,
+                     int64_t header_bytes, uint64_t *sums /* n * num_layers */) {
+    const int64_t layer_bytes = planes * plane_bytes;
+    for (int64_t i = 0; i < n; i++) {
+        uint8_t *rec = dst + i * record_bytes + header_bytes;
+        for (int64_t j = 0; j < num_layers; j++) {
+            const uint8_t *src = (const uint8_t *)(uintptr_t)layer_ptrs[j] + block_ids[i] * block_stride;
+            uint8_t *out = rec + j * layer_bytes;
+            for (int64_t p = 0; p < planes; p++)
+                memcpy(out + p * plane_bytes, src + p * plane_stride, (size_t)plane_bytes);
+            sums[i * num_layers + j] = xxh3(out, (size_t)layer_bytes); /* still in cache */
+        }
+    }
+    return 0;
+}
+
+/* Returns -1 when every layer verified and was copied, else the first layer whose checksum
+ * failed (layers before it were verified and copied; nothing unverified is copied). */
+int64_t dtkv_verify_scatter(xxh3_fn xxh3, const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
+                            int64_t block_stride, int64_t plane_stride, int64_t plane_bytes, int64_t block_id,
+                            const uint8_t *payload, const uint64_t *sums) {
+    const int64_t layer_bytes = planes * plane_bytes;
+    for (int64_t j = 0; j < num_layers; j++) {
+        const uint8_t *src = payload + j * layer_bytes;
+        if (xxh3(src, (size_t)layer_bytes) != sums[j])
+            return j;
+        uint8_t *dst = (uint8_t *)(uintptr_t)layer_ptrs[j] + block_id * block_stride;
+        for (int64_t p = 0; p < planes; p++)
+            memcpy(dst + p * plane_stride, src + p * plane_bytes, (size_t)plane_bytes);
+    }
+    return -1;
+}
+
+/* Batch form over records laid back to back at record_bytes stride, each with its own checksum
+ * table at offset 128 (the caller has verified every header, which covers the table). Only
+ * records with want[i] != 0 are processed; status[i] = -1 (loaded) or the first bad layer. */
+void dtkv_verify_scatter_batch(xxh3_fn xxh3, const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
+                               int64_t block_stride, int64_t plane_stride, int64_t plane_bytes,
+                               const uint8_t *records, int64_t record_bytes, int64_t header_bytes,
+                               const int64_t *block_ids, const uint8_t *want, int64_t n, int64_t *status) {
+    for (int64_t i = 0; i < n; i++) {
+        if (!want[i])
+            continue;
+        const uint8_t *rec = records + i * record_bytes;
+        uint64_t sums[num_layers];
+        memcpy(sums, rec + 128, (size_t)num_layers * sizeof(uint64_t)); /* the table may be unaligned */
+        status[i] = dtkv_verify_scatter(xxh3, layer_ptrs, num_layers, planes, block_stride, plane_stride,
+                                        plane_bytes, block_ids[i], rec + header_bytes, sums);
+    }
+}
+
+/* A real (empty) extension module so setuptools builds and installs this file; the functions
+ * above are reached with ctypes.CDLL(<this module's file>). */
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastcodec", NULL, -1, NULL};
+PyMODINIT_FUNC PyInit__fastcodec(void) { return PyModule_Create(&module); }
