@@ -119,6 +119,7 @@ class NixlIO(PosixIO):
         self._agent_name, self._ag = self._get_agent()
         self._files: dict[int, object] = {}
         self._lock = threading.Lock()
+        self.fallbacks = 0  # transfers NIXL failed and pwritev/preadv redid
 
     @classmethod
     def _get_agent(cls) -> tuple[str, object]:
@@ -165,10 +166,23 @@ class NixlIO(PosixIO):
                 ag.deregister_memory(reg)
 
     def write(self, fd: int, bufs: Sequence[np.ndarray], offset: int) -> None:
-        self._xfer("WRITE", fd, bufs, offset)
+        try:
+            self._xfer("WRITE", fd, bufs, offset)
+        except Exception as e:  # NIXL reports no errno: redo with pwritev to fail (or succeed) precisely
+            self._fell_back(e)
+            super().write(fd, bufs, offset)
 
     def read(self, fd: int, bufs: Sequence[np.ndarray], offset: int) -> None:
-        self._xfer("READ", fd, bufs, offset)
+        try:
+            self._xfer("READ", fd, bufs, offset)
+        except Exception as e:
+            self._fell_back(e)
+            super().read(fd, bufs, offset)
+
+    def _fell_back(self, e: Exception) -> None:
+        self.fallbacks += 1
+        if self.fallbacks == 1:
+            log.warning("NIXL transfer failed (%s: %s); retrying with pwritev/preadv", type(e).__name__, e)
 
 
 def _merge_contiguous(bufs: Sequence[np.ndarray]) -> list[tuple[int, int]]:
@@ -261,10 +275,8 @@ def probe_odirect(directory: Path) -> bool:
         os.pwritev(fd, [buf], 0)
         os.preadv(fd, [buf], 0)
         return True
-    except OSError as e:
-        if e.errno == errno.EINVAL:
-            return False
-        raise
+    except OSError as e:  # EINVAL: refused; anything else (ENOSPC on a full disk) is not about O_DIRECT
+        return e.errno != errno.EINVAL
     finally:
         os.close(fd)
         path.unlink(missing_ok=True)

@@ -48,6 +48,7 @@ class RecoveredSegment:
     entries: np.ndarray  # ENTRY_DTYPE
     flushed: bool
     truncated_bytes: int = 0  # torn tail removed by this recovery
+    seal_error: str | None = None  # the footer could not be written (full or read-only disk)
 
 
 def scan_records(fd: int, size: int) -> tuple[list[tuple[bytes, int, int]], int, str | None]:
@@ -108,8 +109,15 @@ def recover_segments(rank_dir: Path, rank: int) -> list[RecoveredSegment]:
                 if truncated:
                     log.warning("SSD recovery: %s: truncating %d-byte torn tail (%s)", path.name, truncated, why)
                     metrics.TORN_TAIL_BYTES.inc(truncated)
-                footer = seal_file(fd, rank, seq, entries, end)
-                size = end + footer.footer_bytes
+                try:
+                    footer = seal_file(fd, rank, seq, entries, end)
+                    size = end + footer.footer_bytes
+                except OSError as e:  # serve the verified records anyway; the file stays unsealed
+                    log.error("SSD recovery: cannot seal %s: %s", path.name, e)
+                    table = np.array([(k, o, n, 0) for k, o, n in entries], dtype=ENTRY_DTYPE)
+                    out.append(RecoveredSegment(seq, path, os.fstat(fd).st_size, end, 0, table,
+                                                flushed_marker(path).exists(), truncated, str(e)))
+                    continue
         finally:
             os.close(fd)
         out.append(RecoveredSegment(seq, path, size, footer.data_bytes, footer.sealed_at_ns, footer.entries,
@@ -127,12 +135,16 @@ def load_tombstones(rank_dir: Path, live_seqs: set[int]) -> set[tuple[int, int]]
     kept = [(s, o, k) for s, o, k in parse_tombstones(raw) if s in live_seqs]
     if len(kept) * TOMBSTONE.size != len(raw):
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(b"".join(pack_tombstone(s, o, k) for s, o, k in kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(rank_dir)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(b"".join(pack_tombstone(s, o, k) for s, o, k in kept))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            fsync_dir(rank_dir)
+        except OSError as e:  # compaction is an optimisation; the old log stays valid
+            log.warning("SSD recovery: cannot compact %s: %s", path, e)
+            tmp.unlink(missing_ok=True)
     return {(s, o) for s, o, _ in kept}
 
 

@@ -97,6 +97,8 @@ class SSDTier(Tier):
             every record where it is consumed.
         idle_seal_s: seal the open segment after this many idle seconds (None: only when full
             and on close).
+        write_retry_s: after a write failed with ENOSPC/EROFS/EIO the tier serves reads only and
+            fails writes fast; the first write after this many seconds tries the device again.
         on_sealed: called on the writer thread with each newly sealed segment; keep it short.
     """
 
@@ -106,7 +108,7 @@ class SSDTier(Tier):
     def __init__(self, path: str | os.PathLike[str], *, capacity_bytes: int,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES, rank: int = 0, io: str = "auto",
                  allow_evict_unflushed: bool | None = None, fsync: bool = True, verify_reads: bool = False,
-                 idle_seal_s: float | None = 60.0,
+                 idle_seal_s: float | None = 60.0, write_retry_s: float = 30.0,
                  on_sealed: Callable[[SealedSegment], None] | None = None) -> None:
         if capacity_bytes <= 0 or segment_bytes < 2 * ALIGN or rank < 0:
             raise ValueError("capacity_bytes and rank must be positive and segment_bytes at least 8 KiB")
@@ -124,6 +126,8 @@ class SSDTier(Tier):
         self._fsync = fsync
         self._verify = verify_reads
         self._idle_seal_s = idle_seal_s
+        self._write_retry_s = write_retry_s
+        self._readonly_at = 0.0
         self.on_sealed = on_sealed
 
         self._lock = threading.Lock()
@@ -203,6 +207,9 @@ class SSDTier(Tier):
                            flushed=r.flushed, sealed_at=r.sealed_at_ns / 1e9, last_used=self._next_tick())
             self._segments[r.seq] = seg
             self._used += r.size
+            if r.seal_error and self.readonly_reason is None:
+                self.readonly_reason = f"cannot seal recovered {r.path.name}: {r.seal_error}"
+                metrics.DEGRADED.labels("recovery").inc()
             for key, off, length in zip(r.entries["key"].tolist(), r.entries["offset"].tolist(),
                                         r.entries["length"].tolist()):
                 # Entries arrive in write order, so the newest location decides: a tombstone on
@@ -234,7 +241,7 @@ class SSDTier(Tier):
             self._idle_thread.join(timeout=5)
 
     def _close_sync(self) -> None:
-        if self.disabled_reason is None and self.readonly_reason is None:
+        if self.disabled_reason is None:  # even read-only: the footer may still fit after a failed write
             with contextlib.suppress(TierUnavailable):
                 self._seal_sync()
         with self._lock:
@@ -291,6 +298,9 @@ class SSDTier(Tier):
     def _check_writable(self) -> None:
         if not self._opened or self._closed:
             raise TierUnavailable("SSD tier is not open")
+        if self.readonly_reason and time.monotonic() - self._readonly_at >= self._write_retry_s:
+            log.info("SSD tier: retrying writes after: %s", self.readonly_reason)
+            self.readonly_reason = None
         if self.disabled_reason or self.readonly_reason:
             raise TierUnavailable(f"SSD tier is not accepting writes: {self.disabled_reason or self.readonly_reason}")
 
@@ -356,8 +366,10 @@ class SSDTier(Tier):
             os.ftruncate(seg.fd, offset)  # drop whatever part of the run reached the file
         reason = f"write to {seg.path.name} failed: {e}"
         if e.errno in _DEGRADING_ERRNOS:
-            log.error("SSD tier stops accepting writes (reads still served): %s", reason)
+            log.error("SSD tier stops accepting writes for %.0fs (reads still served): %s", self._write_retry_s,
+                      reason)
             self.readonly_reason = reason
+            self._readonly_at = time.monotonic()
             metrics.DEGRADED.labels(errno.errorcode.get(e.errno or 0, "EIO")).inc()
         raise TierUnavailable(reason) from e
 
@@ -370,6 +382,7 @@ class SSDTier(Tier):
             fsync_dir(self.rank_dir)
         except OSError as e:
             self.readonly_reason = f"cannot create {path}: {e}"
+            self._readonly_at = time.monotonic()
             log.error("SSD tier stops accepting writes: %s", self.readonly_reason)
             metrics.DEGRADED.labels(errno.errorcode.get(e.errno or 0, "EIO")).inc()
             raise TierUnavailable(self.readonly_reason) from e
