@@ -94,6 +94,17 @@ def test_tp_splits_gqa_heads_and_replicates_mla():
     assert ds.kv_bytes_per_token(4) == 4 * ds.kv_bytes_per_token(1)  # latent on every rank
 
 
+def test_mla_one_copy_stores_one_record_per_block():
+    ds = preset("DeepSeek-V3")
+    assert ds.stored_bytes_per_block(16, 8) == 8 * ds.stored_bytes_per_block(16, 8, mla_one_copy=True)
+    llama = preset("Llama-3.1-70B")  # GQA shards are distinct: nothing to dedupe
+    assert llama.stored_bytes_per_block(16, 8, mla_one_copy=True) == llama.stored_bytes_per_block(16, 8)
+    s = replace(scenario("default"), model=ds, gpu=gpu("H200"), ttft_gpus=())
+    assert plan(replace(s, mla_one_copy=True)).tier("SSD").minutes == pytest.approx(
+        plan(s).tp * plan(s).tier("SSD").minutes, rel=1e-9
+    )
+
+
 # ---------------------------------------------------------------- TTFT model
 
 

@@ -75,6 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--mla", action="store_true", help="custom model uses multi-head latent attention")
     g.add_argument("--dtype", choices=sorted(DTYPES), help="KV cache dtype (default bf16)")
     g.add_argument("--block-size", type=pint, help="tokens per KV block (default 16)")
+    g.add_argument("--mla-one-copy", action="store_true", help="MLA: TP ranks store one shared copy, not one each")
     g = p.add_argument_group("load and GPU")
     g.add_argument("--tokens-per-s", type=pos, help="new KV tokens per second the tiers absorb (default 8192)")
     g.add_argument("--gpu", help=f"GPU of the capacity table: {', '.join(x.name for x in GPUS.values())}")
@@ -187,6 +188,7 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
         mfu=args.mfu or s.mfu,
         gpu_util=args.gpu_util or s.gpu_util,
         count_weights=s.count_weights and not args.no_weights,
+        mla_one_copy=s.mla_one_copy or args.mla_one_copy,
         contexts=args.context_tokens or s.contexts,
         ttft_gpus=ttft_gpus,
         assumptions=(*s.assumptions, *extra),

@@ -42,6 +42,7 @@ class Scenario:
         mfu: model FLOP utilization of prefill.
         gpu_util: share of HBM the engine may use (vLLM gpu_memory_utilization).
         count_weights: subtract the weights from usable HBM.
+        mla_one_copy: stored tiers keep one copy of an MLA block instead of one per TP rank.
         contexts: prompt lengths for the TTFT table.
         ttft_gpus: GPUs the TTFT table compares.
         name: scenario name printed with the plan.
@@ -57,6 +58,7 @@ class Scenario:
     mfu: float = DEFAULT_MFU
     gpu_util: float = GPU_MEMORY_UTILIZATION
     count_weights: bool = True
+    mla_one_copy: bool = False
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS
     ttft_gpus: tuple[GpuSpec, ...] = tuple(GPUS.values())
     name: str = "custom"
@@ -212,6 +214,9 @@ class Plan:
 
 
 def _tier_result(tier: TierSpec, s: Scenario, tp: int, raw: int, stored: float) -> TierResult:
+    # raw: the engine's KV bytes per token in the copies this tier keeps (all ranks in HBM)
+    if tier.holds_records:
+        raw = raw * s.model.stored_copies(tp, s.mla_one_copy) // tp
     per_token = stored if tier.holds_records else raw
     return TierResult(
         tier.name,
@@ -236,7 +241,7 @@ def ttft_row(s: Scenario, gpu: GpuSpec, tokens: int, tp: int | None = None) -> T
     restored = restorable_tokens(tokens, s.block_size)
     suffix = (prefill_flops(s.model, tokens) - prefill_flops(s.model, restored)) / rate
     raw_bytes = restored * s.model.kv_bytes_per_token(tp)
-    stored_bytes = restored // s.block_size * s.model.stored_bytes_per_block(s.block_size, tp)
+    stored_bytes = restored // s.block_size * s.model.stored_bytes_per_block(s.block_size, tp, s.mla_one_copy)
     hbm = hbm_tier(s.model, gpu, tp, s.gpu_util, s.count_weights)
     times: dict[str, float] = {}
     nbytes: dict[str, float] = {}
@@ -258,10 +263,11 @@ def plan(s: Scenario) -> Plan:
             "raise --tp or omit it"
         )
     raw = s.model.kv_bytes_per_token(tp)
-    stored = s.model.stored_bytes_per_token(s.block_size, tp)
+    stored = s.model.stored_bytes_per_token(s.block_size, tp, s.mla_one_copy)
     tiers = [_tier_result(t, s, tp, raw, stored) for t in (hbm, *s.tiers)]
     rows = [ttft_row(s, g, n, s.tp) for g in s.ttft_gpus for n in s.contexts]
-    return Plan(s, tp, raw, stored, s.model.stored_bytes_per_block(s.block_size, tp), tiers, rows)
+    block = s.model.stored_bytes_per_block(s.block_size, tp, s.mla_one_copy)
+    return Plan(s, tp, raw, stored, block, tiers, rows)
 
 
 __all__ = [

@@ -11,7 +11,9 @@ Two byte counts per token matter:
 
 Both are per *instance* (all TP ranks): each rank holds ``max(1, kv_heads // tp)`` KV heads (vLLM
 replicates heads when ``tp > kv_heads``) and MLA's latent is replicated on every rank, so with
-``tp > 1`` an MLA model stores ``tp`` copies, as every rank offloads its own blocks.
+``tp > 1`` an MLA model stores ``tp`` copies, as every rank offloads its own blocks (our keys carry
+the TP rank), unless ``mla_one_copy`` says the ranks store one shared copy (LMCache saves MLA
+from the first rank only).
 """
 
 from __future__ import annotations
@@ -109,12 +111,16 @@ class ModelSpec:
             canonical, dtype_of(self.kv_dtype), self.layers, block_size, self.rank_kv_heads(tp), self.head_size
         )
 
-    def stored_bytes_per_block(self, block_size: int, tp: int = 1) -> int:
-        """Bytes one block of ``block_size`` tokens costs in our tiers, all ranks, headers included."""
-        return tp * record_bytes(self.block_shape(block_size, tp))
+    def stored_copies(self, tp: int, mla_one_copy: bool = False) -> int:
+        """Records stored per block: one per rank, or one in all for MLA when ranks dedupe."""
+        return 1 if self.mla and mla_one_copy else tp
 
-    def stored_bytes_per_token(self, block_size: int, tp: int = 1) -> float:
-        return self.stored_bytes_per_block(block_size, tp) / block_size
+    def stored_bytes_per_block(self, block_size: int, tp: int = 1, mla_one_copy: bool = False) -> int:
+        """Bytes one block of ``block_size`` tokens costs in our tiers, all ranks, headers included."""
+        return self.stored_copies(tp, mla_one_copy) * record_bytes(self.block_shape(block_size, tp))
+
+    def stored_bytes_per_token(self, block_size: int, tp: int = 1, mla_one_copy: bool = False) -> float:
+        return self.stored_bytes_per_block(block_size, tp, mla_one_copy) / block_size
 
     def with_dtype(self, kv_dtype: str) -> ModelSpec:
         dtype_of(kv_dtype)

@@ -84,11 +84,13 @@ def format_text(p: Plan) -> str:
     s, m = p.scenario, p.scenario.model
     rate = s.tokens_per_s * p.kv_bytes_per_token
     attn = "MLA latent" if m.mla else f"{m.kv_heads} KV heads x {m.head_size}"
-    overhead = p.stored_bytes_per_token / p.kv_bytes_per_token - 1
+    copies = m.stored_copies(p.tp, s.mla_one_copy)
+    overhead = p.stored_bytes_per_token / (p.kv_bytes_per_token * copies / p.tp) - 1
     out = [
         f"dtkv plan: scenario {s.name}",
         f"model     {m.name}: {m.layers} layers x {attn}, {m.kv_dtype} KV, {m.active_params / 1e9:.3g}B active params",
-        f"KV/token  {p.kv_bytes_per_token:,} B raw; {p.stored_bytes_per_token:,.0f} B stored "
+        f"KV/token  {p.kv_bytes_per_token:,} B raw (HBM, {p.tp} rank{'s' if p.tp > 1 else ''}); "
+        f"{p.stored_bytes_per_token:,.0f} B stored "
         f"({p.stored_bytes_per_block:,} B record per {s.block_size}-token block, {overhead:+.2%})",
         f"rate      {s.tokens_per_s:,.0f} tokens/s = {rate / 1e9:.3g} GB/s ({rate / GIB:.3g} GiB/s) of KV "
         f"on {p.tp} x {s.gpu.name} (TP {p.tp})",
@@ -137,6 +139,7 @@ def to_dict(p: Plan) -> dict:
         "kv_bytes_per_token": p.kv_bytes_per_token,
         "stored_bytes_per_token": p.stored_bytes_per_token,
         "stored_bytes_per_block": p.stored_bytes_per_block,
+        "stored_copies_per_block": m.stored_copies(p.tp, s.mla_one_copy),
         "tiers": [
             {
                 "name": t.name,
