@@ -233,3 +233,20 @@ def test_python_and_compiled_paths_agree(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(lay, "_fast", None)  # force the pure-Python path
     codec.encode_blocks(lay, [4, 0, 2], [NS.digest] * 3, keys, parents_of(keys), b)
     assert np.array_equal(a, b)
+
+
+def test_decode_blocks_cross_layout_and_identity_errors() -> None:
+    fa = make_layout(EngineLayoutKind.FLASH_ATTN, torch.bfloat16, seed=21)
+    fi = make_layout(EngineLayoutKind.FLASHINFER, torch.bfloat16, seed=22)
+    keys = chain_keys(NS, range(8))
+    rb = codec.record_bytes(fa.shape)
+    buf = np.zeros(2 * rb, np.uint8)
+    codec.encode_blocks(fa, [1, 2], [NS.digest] * 2, keys, parents_of(keys), buf)
+    assert codec.decode_blocks(buf, fi, [3, 4], namespace=NS.digest, keys=keys) == [None, None]
+    for j in range(3):
+        assert np.array_equal(fi.layer_views[j][3].reshape(-1), fa.layer_views[j][1].reshape(-1))
+    errs = codec.decode_blocks(buf, fi, [3, 4], namespace=bytes(16), keys=keys)
+    assert all(isinstance(e, NamespaceMismatch) for e in errs)
+    other = make_layout(EngineLayoutKind.FLASHINFER, torch.float16, seed=23)
+    errs = codec.decode_blocks(buf, other, [3, 4], namespace=NS.digest, keys=keys)
+    assert all(isinstance(e, LayoutMismatch) for e in errs)

@@ -26,8 +26,26 @@ try:
     _lib.dtkv_gather_hash.restype = ctypes.c_int
     _lib.dtkv_verify_scatter.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _p]
     _lib.dtkv_verify_scatter.restype = ctypes.c_int64
-    _lib.dtkv_verify_scatter_batch.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _i64, _p, _p, _i64, _p]
-    _lib.dtkv_verify_scatter_batch.restype = None
+    _lib.dtkv_decode_batch.argtypes = [
+        _p,
+        _p,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _p,
+        _i64,
+        _i64,
+        _p,
+        _p,
+        _p,
+        _p,
+        _p,
+        _i64,
+        _p,
+    ]
+    _lib.dtkv_decode_batch.restype = None
     AVAILABLE = True
 except (ImportError, OSError, AttributeError) as e:  # no compiler at install time, or odd xxhash build
     log.debug("compiled codec helpers unavailable (%s); using the Python path", e)
@@ -91,17 +109,24 @@ def verify_scatter(t: LayerTable, block_id: int, payload: np.ndarray, sums: np.n
     )
 
 
-def verify_scatter_batch(
+# status codes of decode_batch (negative; a value >= 0 is the first layer that failed its checksum)
+OK, BAD_MAGIC, BAD_VERSION, HEADER_CORRUPT, NAMESPACE, KEY, LAYOUT = -1, -2, -3, -4, -5, -6, -7
+
+
+def decode_batch(
     t: LayerTable,
     records: np.ndarray,
     record_bytes: int,
     header_bytes: int,
+    expect_prefix: bytes,
+    expect_desc: bytes,
+    namespace: bytes,
+    keys: bytes,
     block_ids: np.ndarray,
-    want: np.ndarray,
     status: np.ndarray,
 ) -> None:
-    """Records back to back in ``records``; fills ``status`` (-1 loaded, else first bad layer)."""
-    _lib.dtkv_verify_scatter_batch(
+    """Verify and scatter records laid back to back; fills ``status`` with the codes above."""
+    _lib.dtkv_decode_batch(
         XXH3,
         t.ptrs.ctypes.data,
         t.num_layers,
@@ -112,8 +137,11 @@ def verify_scatter_batch(
         records.ctypes.data,
         record_bytes,
         header_bytes,
+        expect_prefix,
+        expect_desc,
+        namespace,
+        keys,
         block_ids.ctypes.data,
-        want.ctypes.data,
         len(block_ids),
         status.ctypes.data,
     )

@@ -51,19 +51,39 @@ int64_t dtkv_verify_scatter(xxh3_fn xxh3, const uint64_t *layer_ptrs, int64_t nu
     return -1;
 }
 
-/* Batch form over records laid back to back at record_bytes stride, each with its own checksum
- * table at offset 128 (the caller has verified every header, which covers the table). Only
- * records with want[i] != 0 are processed; status[i] = -1 (loaded) or the first bad layer. */
-void dtkv_verify_scatter_batch(xxh3_fn xxh3, const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
-                               int64_t block_stride, int64_t plane_stride, int64_t plane_bytes,
-                               const uint8_t *records, int64_t record_bytes, int64_t header_bytes,
-                               const int64_t *block_ids, const uint8_t *want, int64_t n, int64_t *status) {
+/* Status codes of dtkv_decode_batch besides a layer number (>= 0) and DTKV_OK. */
+enum { DTKV_OK = -1, DTKV_BAD_MAGIC = -2, DTKV_BAD_VERSION = -3, DTKV_HEADER_CORRUPT = -4,
+       DTKV_NAMESPACE = -5, DTKV_KEY = -6, DTKV_LAYOUT = -7 };
+
+/* Verify header + identity of each record (laid back to back at record_bytes stride) and, when
+ * they hold, verify and scatter its layers. `expect_desc` is the 56-byte layout descriptor
+ * (record bytes [64, 120)) the engine needs; byte 66 (the writer's engine layout) may differ.
+ * `keys` holds n 16-byte keys. status[i]: DTKV_OK, a negative code above, or the first bad layer. */
+void dtkv_decode_batch(xxh3_fn xxh3, const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
+                       int64_t block_stride, int64_t plane_stride, int64_t plane_bytes,
+                       const uint8_t *records, int64_t record_bytes, int64_t header_bytes,
+                       const uint8_t *expect_prefix /* 16 bytes: magic, version, flags, header_bytes */,
+                       const uint8_t *expect_desc, const uint8_t *namespace_, const uint8_t *keys,
+                       const int64_t *block_ids, int64_t n, int64_t *status) {
+    const size_t table_bytes = (size_t)num_layers * 8;
+    uint8_t scratch[120 + 8 * 512];
     for (int64_t i = 0; i < n; i++) {
-        if (!want[i])
-            continue;
         const uint8_t *rec = records + i * record_bytes;
-        uint64_t sums[num_layers];
-        memcpy(sums, rec + 128, (size_t)num_layers * sizeof(uint64_t)); /* the table may be unaligned */
+        uint64_t stored, sums[num_layers];
+        if (memcmp(rec, expect_prefix, 8) != 0) { status[i] = DTKV_BAD_MAGIC; continue; }
+        if (memcmp(rec + 8, expect_prefix + 8, 2) != 0) { status[i] = DTKV_BAD_VERSION; continue; }
+        if (num_layers > 512) { status[i] = DTKV_HEADER_CORRUPT; continue; }
+        memcpy(scratch, rec, 120);
+        memcpy(scratch + 120, rec + 128, table_bytes);
+        memcpy(&stored, rec + 120, 8);
+        if (xxh3(scratch, 120 + table_bytes) != stored) { status[i] = DTKV_HEADER_CORRUPT; continue; }
+        if (memcmp(rec + 12, expect_prefix + 12, 4) != 0) { status[i] = DTKV_LAYOUT; continue; } /* header_bytes */
+        if (memcmp(rec + 16, namespace_, 16) != 0) { status[i] = DTKV_NAMESPACE; continue; }
+        if (memcmp(rec + 32, keys + 16 * i, 16) != 0) { status[i] = DTKV_KEY; continue; }
+        if (memcmp(rec + 64, expect_desc, 2) != 0 || memcmp(rec + 67, expect_desc + 3, 53) != 0) {
+            status[i] = DTKV_LAYOUT; continue;
+        }
+        memcpy(sums, rec + 128, table_bytes);
         status[i] = dtkv_verify_scatter(xxh3, layer_ptrs, num_layers, planes, block_stride, plane_stride,
                                         plane_bytes, block_ids[i], rec + header_bytes, sums);
     }
