@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import typing
 from functools import cache
 from pathlib import Path
@@ -62,18 +63,12 @@ def _find_helm() -> tuple[str | None, str]:
     tools = Path(os.environ.get("DTKV_TOOLS_DIR", "/tmp/dtkv-tools"))
     try:
         out = subprocess.run(["bash", str(INSTALL_HELM), str(tools)], capture_output=True, text=True,
-                             timeout=180, env={**os.environ, "PYTHON": os.environ.get("PYTHON", _python())})
+                             timeout=180, env={**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable)})
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, f"install-helm.sh failed: {e}"
     if found := _working_helm(str(tools / "helm")):
         return found, ""
     return None, f"no helm: not on PATH/$HELM and install-helm.sh failed: {out.stderr.strip()[-300:]}"
-
-
-def _python() -> str:
-    import sys
-
-    return sys.executable
 
 
 @pytest.fixture(scope="session")
@@ -480,6 +475,7 @@ BAD_VALUES = {
     "TP above GPUs": (["--set", "model.tensorParallelSize=2"], "needs at least that many worker.gpus"),
     "memory limit too low": (["--set", "tieredKV.host_capacity_bytes=90Gi"], "below what the pod pins"),
     "secret twice": (["--set", "secret.existingSecret=other"], "not both"),
+    "SSD capacity above volume": (["--set", "tieredKV.ssd_capacity_bytes=300Gi"], "exceeds ssd.size"),
 }
 
 

@@ -303,6 +303,13 @@ checksum/secret: {{ include (print $.Template.BasePath "/secret.yaml") . | sha25
 {{- if and $v.worker.shm.enabled (eq (include "dtkv.bytes" $v.worker.shm.size) "") -}}
 {{- fail (printf "worker.shm.size: %v is not a quantity like 16Gi" $v.worker.shm.size) -}}
 {{- end -}}
+{{- if and (include "dtkv.ssdEnabled" .) $v.ssd.size (not (kindIs "invalid" $v.tieredKV.ssd_capacity_bytes)) -}}
+{{- $cap := include "dtkv.bytes" $v.tieredKV.ssd_capacity_bytes -}}
+{{- $size := include "dtkv.bytes" $v.ssd.size -}}
+{{- if and (ne $cap "") (ne $size "") (gt (mul ($cap | int64) $tp) ($size | int64)) -}}
+{{- fail (printf "tieredKV.ssd_capacity_bytes (%s per TP rank) x %d rank(s) exceeds ssd.size (%s); an emptyDir over its sizeLimit gets the pod evicted" (toString $v.tieredKV.ssd_capacity_bytes) $tp $v.ssd.size) -}}
+{{- end -}}
+{{- end -}}
 {{- include "dtkv.validateMemory" . -}}
 {{- end -}}
 
