@@ -53,8 +53,10 @@ class TieredKVConfig(BaseSettings):
     # --- G4 object tier -----------------------------------------------------------------------
     object_url: str | None = Field(None, description="s3://bucket/prefix or file:///dir; None disables")
     object_ttl_s: float = Field(14 * 24 * 3600.0, gt=0, description="object retention (days to weeks)")
+    object_capacity_bytes: int = Field(100 * 1024 * GiB, gt=0, description="bound on live object bytes")
+    object_refresh_s: float | None = Field(30.0, gt=0, description="re-list manifests to see other nodes' blocks")
     s3_endpoint_url: str | None = None
-    s3_region: str = "us-east-1"
+    s3_region: str | None = Field(None, description="None: DTKV_S3_REGION, AWS_REGION, else us-east-1")
     s3_access_key: SecretStr | None = None
     s3_secret_key: SecretStr | None = None
     s3_verify_tls: bool = True

@@ -1,0 +1,138 @@
+"""Build a ``TieredStore`` from a ``TieredKVConfig``: the one place that knows concrete tiers.
+
+Tier order is fixed by speed: host (G2), SSD (G3), objects (G4); each is present only when
+configured. The store itself writes host and SSD; the object tier is fed by the background
+``Flusher`` from sealed SSD segments (or written directly when there is no SSD tier).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .config import TieredKVConfig
+from .keys import Namespace
+from .staging import StagingPool
+from .store import TieredStore
+from .tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+
+class _FlusherTask:
+    """Adapts the flusher's start/stop to the store's background-task protocol."""
+
+    def __init__(self, flusher) -> None:  # flusher: dynamo_tiered_kv.flush.Flusher
+        self.flusher = flusher
+
+    async def run(self) -> None:
+        await self.flusher.start()
+
+    async def stop(self) -> None:
+        await self.flusher.stop()
+
+    def __repr__(self) -> str:
+        return "flusher"
+
+
+class _FlushCollector(Collector):
+    """Flusher progress as Prometheus metrics (queue, lag, failures)."""
+
+    def __init__(self, flusher) -> None:
+        self.flusher = flusher
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        s = self.flusher.stats
+        yield GaugeMetricFamily("dtkv_flush_queue_segments", "sealed segments waiting for upload", s.queue_length)
+        yield GaugeMetricFamily("dtkv_flush_in_flight_segments", "segments being uploaded", s.in_flight)
+        yield GaugeMetricFamily("dtkv_flush_lag_bytes", "sealed SSD bytes not yet in the object tier", s.lag_bytes)
+        yield GaugeMetricFamily("dtkv_flush_lag_seconds", "age of the oldest unflushed segment", s.lag_seconds)
+        yield CounterMetricFamily("dtkv_flush_segments", "segments copied to the object tier", s.flushed_segments)
+        yield CounterMetricFamily("dtkv_flush_bytes", "bytes copied to the object tier", s.flushed_bytes)
+        yield CounterMetricFamily("dtkv_flush_failures", "failed upload attempts (retried)", s.failures)
+
+
+def build_store(config: TieredKVConfig, namespace: Namespace) -> TieredStore:
+    """Construct tiers, staging, flusher and metrics from ``config`` (does I/O: opens tiers)."""
+    tiers: list[Tier] = []
+    ttls: list[float | None] = []
+    if config.host_capacity_bytes:
+        from .tiers.host import HostTier
+
+        tiers.append(HostTier(config.host_capacity_bytes))
+        ttls.append(config.host_ttl_s)
+    ssd = None
+    if config.ssd_dir is not None:
+        from .tiers.ssd import SSDTier
+
+        ssd = SSDTier(
+            config.ssd_dir,
+            capacity_bytes=config.ssd_capacity_bytes,
+            segment_bytes=config.ssd_segment_bytes,
+            rank=namespace.tp_rank,
+            io=config.ssd_io,
+            # without an object tier nothing will ever flush: eviction must be allowed
+            allow_evict_unflushed=config.ssd_allow_evict_unflushed if config.object_url else True,
+            idle_seal_s=config.ssd_seal_idle_s,
+        )
+        tiers.append(ssd)
+        ttls.append(config.ssd_ttl_s)
+    background = []
+    flusher = None
+    if config.object_url:
+        from .flush import Flusher
+        from .tiers.objectstore import ObjectTier, backend_from_url
+
+        backend = backend_from_url(
+            config.object_url,
+            endpoint_url=config.s3_endpoint_url,
+            region=config.s3_region,
+            access_key=config.s3_access_key.get_secret_value() if config.s3_access_key else None,
+            secret_key=config.s3_secret_key.get_secret_value() if config.s3_secret_key else None,
+            **(_s3_tuning(config) if config.object_url.startswith("s3://") else {}),
+        )
+        obj = ObjectTier(
+            backend,
+            capacity_bytes=config.object_capacity_bytes,
+            ttl_s=config.object_ttl_s,
+            refresh_interval_s=config.object_refresh_s,
+        )
+        tiers.append(obj)
+        ttls.append(None)  # object retention is the GC's job (dtkv gc), shared across nodes
+        if ssd is not None:
+            flusher = Flusher(ssd, obj, max_queue=config.flush_queue_segments)
+            ssd.on_sealed = lambda _seg: flusher.notify()
+            background.append(_FlusherTask(flusher))
+    if not tiers:
+        raise ValueError("no tier configured: set host_capacity_bytes, ssd_dir or object_url")
+    staging = StagingPool(config.staging_slab_bytes, config.staging_slabs)
+    store = TieredStore(
+        tiers,
+        namespace,
+        staging,
+        admission=config.admission,
+        min_prefix_blocks=config.min_prefix_blocks,
+        max_pending_offloads=config.max_pending_offloads,
+        # host and SSD are written by the store; with a flusher the object tier is fed from SSD
+        write_depth=len(tiers) if flusher is None else len(tiers) - 1,
+        ttl_s=ttls,
+        background=background,
+        metrics_port=config.metrics_port,
+    )
+    if flusher is not None:
+        store.metrics.registry.register(_FlushCollector(flusher))
+    store.flusher = flusher  # type: ignore[attr-defined]
+    log.info("tiered KV store: %s", ", ".join(t.name for t in tiers))
+    return store
+
+
+def _s3_tuning(config: TieredKVConfig) -> dict:
+    return {
+        "verify_tls": config.s3_verify_tls,
+        "addressing_style": config.s3_addressing_style,
+        "part_bytes": config.s3_part_bytes,
+        "max_concurrency": config.s3_max_concurrency,
+    }
