@@ -31,6 +31,7 @@ from dynamo_tiered_kv.config import ENV_CONFIG_FILE, ENV_PREFIX, TieredKVConfig
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "dynamo-tiered-kv"
 INSTALL_HELM = ROOT / "deploy" / "scripts" / "install-helm.sh"
+TOOLS = Path(os.environ.get("DTKV_TOOLS_DIR", "/tmp/dtkv-tools"))
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 CI_IDS = [p.name.removesuffix("-values.yaml") for p in CI_VALUES]
 FIELDS = set(TieredKVConfig.model_fields)
@@ -60,7 +61,7 @@ def _find_helm() -> tuple[str | None, str]:
     for candidate in (os.environ.get("HELM"), shutil.which("helm")):
         if found := _working_helm(candidate):
             return found, ""
-    tools = Path(os.environ.get("DTKV_TOOLS_DIR", "/tmp/dtkv-tools"))
+    tools = TOOLS
     try:
         out = subprocess.run(["bash", str(INSTALL_HELM), str(tools)], capture_output=True, text=True,
                              timeout=180, env={**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable)})
@@ -80,8 +81,9 @@ def helm() -> str:
 
 
 def _run(helm: str, *args: str | Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HELM_CACHE_HOME": "/tmp/dtkv-tools/helm-cache",
-           "HELM_CONFIG_HOME": "/tmp/dtkv-tools/helm-config", "HELM_DATA_HOME": "/tmp/dtkv-tools/helm-data"}
+    home = TOOLS / "helm-home"  # keep helm's cache/config/data out of $HOME
+    env = {**os.environ, "HELM_CACHE_HOME": f"{home}/cache", "HELM_CONFIG_HOME": f"{home}/config",
+           "HELM_DATA_HOME": f"{home}/data"}
     return subprocess.run([helm, *map(str, args)], capture_output=True, text=True, timeout=60, env=env)
 
 
@@ -327,7 +329,7 @@ def test_connector_class_exists_in_package() -> None:
     assert CONNECTOR[0] in names, f"{CONNECTOR[1]} neither defines nor imports {CONNECTOR[0]}"
 
 
-def test_gc_command_line_parses(helm: str) -> None:
+def test_gc_command_line_parses() -> None:
     """`dtkv gc` (plus the ci gc.extraArgs) is a real subcommand of the package CLI."""
     from dynamo_tiered_kv.cli import build_parser
 
@@ -433,6 +435,17 @@ def test_gpus_and_shm(case) -> None:
         assert not dshm
 
 
+def test_every_byte_field_takes_a_quantity(helm: str) -> None:
+    """Every *_bytes field the chart accepts renders "1Mi"-style quantities as integers."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    fields = sorted(BYTE_FIELDS & set(schema["properties"]["tieredKV"]["properties"]))
+    sets = [a for f in fields for a in ("--set", f"tieredKV.{f}=64Mi")]
+    out = _run(helm, "template", "t", CHART, "-f", CI_VALUES[0], *sets)
+    assert out.returncode == 0, out.stderr
+    cfg = _configmap_files([d for d in yaml.safe_load_all(out.stdout) if d])["config.yaml"]
+    assert {f: cfg[f] for f in fields} == dict.fromkeys(fields, 64 << 20)
+
+
 def test_config_change_rolls_the_pods(helm: str) -> None:
     values = CI_VALUES[0]
 
@@ -506,7 +519,7 @@ def test_manifests_pass_kubernetes_validate_strict(case) -> None:
 
 
 def test_install_helm_is_idempotent(helm: str) -> None:
-    tools = Path(os.environ.get("DTKV_TOOLS_DIR", "/tmp/dtkv-tools"))
+    tools = TOOLS
     if not (tools / "helm").exists():
         pytest.skip("helm came from $HELM or PATH, not from install-helm.sh")
     out = subprocess.run(["bash", str(INSTALL_HELM), str(tools)], capture_output=True, text=True, timeout=60)

@@ -92,7 +92,7 @@ metrics settings: the GC job has no SSD volume and serves no metrics.
 {{- range $k, $val := $v.tieredKV -}}
 {{- if not (kindIs "invalid" $val) -}}{{- $_ := set $cfg $k $val -}}{{- end -}}
 {{- end -}}
-{{- range $k := list "host_capacity_bytes" "ssd_capacity_bytes" "ssd_segment_bytes" "s3_part_bytes" "staging_slab_bytes" -}}
+{{- range $k := list "host_capacity_bytes" "ssd_capacity_bytes" "ssd_segment_bytes" "object_capacity_bytes" "s3_part_bytes" "staging_slab_bytes" -}}
 {{- if hasKey $cfg $k -}}
 {{- $b := include "dtkv.bytes" (get $cfg $k) -}}
 {{- if eq $b "" -}}{{- fail (printf "tieredKV.%s: %v is neither an integer nor a quantity like 32Gi" $k (get $cfg $k)) -}}{{- end -}}
