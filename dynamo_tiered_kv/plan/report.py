@@ -74,7 +74,7 @@ def _tier_row(t: TierResult) -> list[str]:
 
 def _ttft_row(r: TtftRow, tiers: list[str]) -> list[str]:
     cells = [r.gpu, str(r.tp), f"{r.tokens:,}", _secs(r.recompute_s)]
-    cells += [f"{_secs(r.restore_s[t])} ({-100 * r.reduction(t):+.0f}%)" for t in tiers]
+    cells += [f"{_secs(r.restore_s[t])} ({round(-100 * r.reduction(t)):+d}%)" for t in tiers]
     cells.append("unreachable" if math.isinf(r.gbps_for_95) else f"{r.gbps_for_95:,.1f}")
     return cells
 
