@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 
 from ..errors import ConfigError
@@ -18,8 +19,10 @@ from ..plan.scenarios import SCENARIOS
 _TIER_OF = {"hbm": "HBM", "dram": "DRAM", "ssd": "SSD", "hdd": "HDD-S3", "s3": "HDD-S3"}
 
 
-def _positive(kind: type) -> object:
-    def parse(text: str):
+def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
+    """An argparse type accepting only numbers > 0 of ``kind``."""
+
+    def parse(text: str) -> float:
         try:
             value = kind(text)
         except ValueError:
