@@ -157,7 +157,8 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
     overridden = [
         f"--{k.replace('_', '-')}"
         for k, v in vars(args).items()
-        if k not in ("preset", "json", "func", "command", "verbose") and v not in (None, False)
+        if k not in ("preset", "json", "func", "command", "verbose", "gpus", "context_tokens")
+        and v not in (None, False)
     ]
     model, notes = _model(args, s.model)
     prices = {_TIER_OF[k]: v for k, v in (args.price or [])}
