@@ -450,6 +450,29 @@ def test_every_byte_field_takes_a_quantity(helm: str) -> None:
     assert {f: cfg[f] for f in fields} == dict.fromkeys(fields, 64 << 20)
 
 
+def test_probes_follow_the_dynamo_system_server(case) -> None:
+    """Deployment/StatefulSet get the operator's worker probes on the `system` port unless replaced;
+    a DGD leaves them to the operator."""
+    values, docs = case
+    worker = values.get("worker", {})
+    _, container, _ = _worker_pod(docs)
+    env = _env_map(container)
+    system = worker.get("dynamoSystem", {"enabled": True, "port": 9090})
+    if worker.get("kind") == "DynamoGraphDeployment" or not system["enabled"]:
+        assert "DYN_SYSTEM_PORT" not in env
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert (probe in container) == bool(worker.get(probe))
+        return
+    assert env["DYN_SYSTEM_PORT"]["value"] == str(system["port"])
+    assert {"name": "system", "containerPort": system["port"], "protocol": "TCP"} in container["ports"]
+    for probe, path in (("startupProbe", "/live"), ("livenessProbe", "/live"), ("readinessProbe", "/health")):
+        expected = worker.get(probe) or {}
+        if expected:
+            assert container[probe] == expected
+        else:
+            assert container[probe]["httpGet"] == {"path": path, "port": "system"}
+
+
 def test_config_change_rolls_the_pods(helm: str) -> None:
     values = CI_VALUES[0]
 
@@ -492,6 +515,7 @@ BAD_VALUES = {
     "TP above GPUs": (["--set", "model.tensorParallelSize=2"], "needs at least that many worker.gpus"),
     "memory limit too low": (["--set", "tieredKV.host_capacity_bytes=90Gi"], "below what the pod pins"),
     "secret twice": (["--set", "secret.existingSecret=other"], "not both"),
+    "metrics on the system port": (["--set", "metrics.port=9090"], "need their own ports"),
     "SSD capacity above volume": (["--set", "tieredKV.ssd_capacity_bytes=300Gi"], "exceeds ssd.size"),
 }
 

@@ -151,6 +151,14 @@ metrics settings: the GC job has no SSD volume and serves no metrics.
 - name: DYN_TIERED_KV_CONFIG_FILE
   value: {{ include "dtkv.configMountPath" . }}/config.yaml
 {{ include "dtkv.secretEnv" . }}
+{{- if and .Values.worker.dynamoSystem.enabled (ne .Values.worker.kind "DynamoGraphDeployment") }}
+- name: DYN_SYSTEM_ENABLED
+  value: "true"
+- name: DYN_SYSTEM_PORT
+  value: {{ .Values.worker.dynamoSystem.port | quote }}
+- name: DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS
+  value: '["generate"]'
+{{- end }}
 {{- with .Values.model.hfTokenSecret.name }}
 - name: HF_TOKEN
   valueFrom:
@@ -258,6 +266,11 @@ metrics settings: the GC job has no SSD volume and serves no metrics.
 {{- end -}}
 
 {{- define "dtkv.ports" -}}
+{{- if and .Values.worker.dynamoSystem.enabled (ne .Values.worker.kind "DynamoGraphDeployment") }}
+- name: system
+  containerPort: {{ .Values.worker.dynamoSystem.port }}
+  protocol: TCP
+{{- end }}
 {{- if .Values.metrics.enabled }}
 - name: dtkv-metrics
   containerPort: {{ .Values.metrics.port }}
@@ -310,6 +323,9 @@ checksum/secret: {{ include (print $.Template.BasePath "/secret.yaml") . | sha25
 {{- fail (printf "tieredKV.ssd_capacity_bytes (%s per TP rank) x %d rank(s) exceeds ssd.size (%s); an emptyDir over its sizeLimit gets the pod evicted" (toString $v.tieredKV.ssd_capacity_bytes) $tp $v.ssd.size) -}}
 {{- end -}}
 {{- end -}}
+{{- if and $v.metrics.enabled $v.worker.dynamoSystem.enabled (eq ($v.metrics.port | int) ($v.worker.dynamoSystem.port | int)) -}}
+{{- fail (printf "metrics.port and worker.dynamoSystem.port are both %d: Dynamo's system server and the dtkv metrics server need their own ports" ($v.metrics.port | int)) -}}
+{{- end -}}
 {{- include "dtkv.validateMemory" . -}}
 {{- end -}}
 
@@ -337,5 +353,20 @@ cgroup limit; plus worker.engineMemoryOverhead for the engine itself.
 {{- if lt ($limit | int64) $need -}}
 {{- fail (printf "worker.resources.limits.memory (%s = %s bytes) is below what the pod pins: %d TP rank(s) x (host_capacity_bytes %d + staging %d x %d) + /dev/shm %d + engineMemoryOverhead %d = %d bytes; raise the limit or lower tieredKV.host_capacity_bytes" $v.worker.resources.limits.memory $limit $tp $host $slabs $slab $shm $over $need) -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A probe from values, else the Dynamo operator's default for workers (when dynamoSystem is on). */}}
+{{- define "dtkv.probe" -}}
+{{- $v := .root.Values.worker -}}
+{{- $given := get $v .name -}}
+{{- if $given -}}
+{{- toYaml $given -}}
+{{- else if $v.dynamoSystem.enabled -}}
+{{- $defaults := dict
+  "startupProbe" (dict "httpGet" (dict "path" "/live" "port" "system") "periodSeconds" 10 "timeoutSeconds" 5 "failureThreshold" 720)
+  "livenessProbe" (dict "httpGet" (dict "path" "/live" "port" "system") "periodSeconds" 10 "timeoutSeconds" 5 "failureThreshold" 3)
+  "readinessProbe" (dict "httpGet" (dict "path" "/health" "port" "system") "periodSeconds" 10 "timeoutSeconds" 30 "failureThreshold" 60) -}}
+{{- toYaml (get $defaults .name) -}}
 {{- end -}}
 {{- end -}}

@@ -65,17 +65,11 @@ spec:
       securityContext:
         {{- toYaml . | nindent 8 }}
       {{- end }}
-      {{- with .Values.worker.startupProbe }}
-      startupProbe:
-        {{- toYaml . | nindent 8 }}
+      {{- range $probe := list "startupProbe" "livenessProbe" "readinessProbe" }}
+      {{- with include "dtkv.probe" (dict "root" $ "name" $probe) }}
+      {{ $probe }}:
+        {{- . | nindent 8 }}
       {{- end }}
-      {{- with .Values.worker.livenessProbe }}
-      livenessProbe:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
-      {{- with .Values.worker.readinessProbe }}
-      readinessProbe:
-        {{- toYaml . | nindent 8 }}
       {{- end }}
   volumes:
     {{- include "dtkv.volumes" . | nindent 4 }}
