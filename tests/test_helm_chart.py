@@ -450,6 +450,32 @@ def test_every_byte_field_takes_a_quantity(helm: str) -> None:
     assert {f: cfg[f] for f in fields} == dict.fromkeys(fields, 64 << 20)
 
 
+# nvidia.com/v1alpha1 DynamoComponentDeploymentSharedSpec / ResourceItem / SharedMemorySpec json
+# fields (ai-dynamo/dynamo deploy/operator/api/v1alpha1); the CRD prunes anything else silently.
+DGD_SERVICE_FIELDS = {
+    "annotations", "labels", "serviceName", "componentType", "subComponentType", "dynamoNamespace",
+    "globalDynamoNamespace", "resources", "autoscaling", "envs", "envFromSecret", "volumeMounts", "ingress",
+    "modelRef", "sharedMemory", "extraPodMetadata", "extraPodSpec", "livenessProbe", "readinessProbe",
+    "replicas", "multinode", "scalingAdapter", "eppConfig", "checkpoint"}
+DGD_RESOURCE_FIELDS = {"cpu", "memory", "gpu", "gpuType", "custom"}
+
+
+def test_dgd_uses_only_crd_fields(case) -> None:
+    _, docs = case
+    w = _workload(docs)
+    if w["kind"] != "DynamoGraphDeployment":
+        pytest.skip("not a DynamoGraphDeployment variant")
+    assert w["apiVersion"] == "nvidia.com/v1alpha1"
+    assert set(w["spec"]) <= {"services", "backendFramework", "envs", "pvcs", "annotations", "labels"}
+    for name, svc in w["spec"]["services"].items():
+        assert set(svc) <= DGD_SERVICE_FIELDS, f"{name}: unknown fields {sorted(set(svc) - DGD_SERVICE_FIELDS)}"
+        for part in ("requests", "limits"):
+            items = svc.get("resources", {}).get(part, {})
+            assert set(items) <= DGD_RESOURCE_FIELDS and all(isinstance(v, str) for v in items.values())
+        assert set(svc.get("sharedMemory", {})) <= {"disabled", "size"}
+        assert set(svc.get("extraPodMetadata", {})) <= {"labels", "annotations"}
+
+
 def test_probes_follow_the_dynamo_system_server(case) -> None:
     """Deployment/StatefulSet get the operator's worker probes on the `system` port unless replaced;
     a DGD leaves them to the operator."""
@@ -458,7 +484,14 @@ def test_probes_follow_the_dynamo_system_server(case) -> None:
     _, container, _ = _worker_pod(docs)
     env = _env_map(container)
     system = worker.get("dynamoSystem", {"enabled": True, "port": 9090})
-    if worker.get("kind") == "DynamoGraphDeployment" or not system["enabled"]:
+    if worker.get("kind") == "DynamoGraphDeployment":
+        assert "DYN_SYSTEM_PORT" not in env  # the operator sets it, with its own probes
+        svc = _worker_service(_workload(docs))
+        assert ("startupProbe" in container) == bool(worker.get("startupProbe"))
+        for probe in ("livenessProbe", "readinessProbe"):
+            assert (probe in svc) == bool(worker.get(probe))
+        return
+    if not system["enabled"]:
         assert "DYN_SYSTEM_PORT" not in env
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             assert (probe in container) == bool(worker.get(probe))
