@@ -20,6 +20,7 @@ import errno
 import logging
 import mmap
 import os
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -107,6 +108,20 @@ def _pwritev_all(fd: int, bufs: list[np.ndarray], offset: int) -> int:
     return offset
 
 
+def _import_nixl():
+    """Import NIXL's API and keep its Python logging off stdout (it prints INFO there by default,
+    which would corrupt ``--json`` output); NIXL_LOG_LEVEL still wins when set."""
+    from nixl import _api
+
+    nixl_log = logging.getLogger("nixl")
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        nixl_log.setLevel(logging.WARNING)
+    for h in nixl_log.handlers:
+        if isinstance(h, logging.StreamHandler) and h.stream is sys.stdout:
+            h.setStream(sys.stderr)
+    return _api
+
+
 class NixlIO(PosixIO):
     """NIXL POSIX backend (io_uring) over O_DIRECT fds; one agent per process, calls serialized."""
 
@@ -125,10 +140,9 @@ class NixlIO(PosixIO):
     def _get_agent(cls) -> tuple[str, object]:
         with cls._agent_lock:
             if cls._agent is None or cls._agent[0] != os.getpid():
-                from nixl._api import nixl_agent, nixl_agent_config
-
+                api = _import_nixl()
                 name = f"dtkv-ssd-{os.getpid()}"
-                ag = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+                ag = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
                 ag.create_backend("POSIX", {"use_uring": "true"})
                 cls._agent = (os.getpid(), name, ag)
             return cls._agent[1], cls._agent[2]
@@ -206,7 +220,7 @@ def _wait(ag: object, h: object) -> None:
             raise OSError(errno.ETIMEDOUT, "NIXL transfer did not complete")
         if pause:
             time.sleep(pause)
-        pause = min(max(pause * 2, 2e-5), 5e-4)
+        pause = min(max(pause * 2, 2e-5), 2e-4)
         st = ag.check_xfer_state(h)  # type: ignore[attr-defined]
     if st != "DONE":
         raise OSError(errno.EIO, f"NIXL transfer ended in state {st}")
@@ -335,11 +349,12 @@ def probe_gds() -> GdsVerdict:
     machine without them it fails in about a millisecond. The caller logs the verdict.
     """
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        api = _import_nixl()
     except Exception as e:
         return GdsVerdict(False, f"nixl not importable: {e}")
     try:
-        ag = nixl_agent(f"dtkv-gds-probe-{os.getpid()}", nixl_agent_config(enable_prog_thread=False, backends=[]))
+        ag = api.nixl_agent(f"dtkv-gds-probe-{os.getpid()}",
+                            api.nixl_agent_config(enable_prog_thread=False, backends=[]))
         ag.create_backend("GDS_MT", {})
     except Exception as e:
         return GdsVerdict(False, f"GDS_MT backend failed: {type(e).__name__}: {e}")
