@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from dynamo_tiered_kv.errors import TierUnavailable
 from dynamo_tiered_kv.testing import make_record, random_key, small_shape
@@ -142,5 +143,16 @@ async def test_o_direct_refused_falls_back_to_buffered(ramfs: Path, caplog: pyte
         await t.write(k, memoryview(v))
         buf = bytearray(len(v))
         assert await t.read_into(k, memoryview(buf)) == len(v) and bytes(buf) == v
+    finally:
+        await t.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the verdict on a machine without a GPU")
+async def test_gds_probe_fails_cleanly_without_a_gpu(tmp_path: Path) -> None:
+    t = SSDTier(tmp_path, capacity_bytes=1 << 20, idle_seal_s=None)
+    await t.open()
+    try:
+        assert t.available and not t.gds.available and t.gds.reason
+        assert metrics.GDS_AVAILABLE._value.get() == 0
     finally:
         await t.close()
