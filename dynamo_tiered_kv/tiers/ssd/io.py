@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ...codec import ALIGN
+from . import metrics
 
 log = logging.getLogger(__name__)
 IOV_MAX = 1024
@@ -366,3 +367,22 @@ def probe_gds() -> GdsVerdict:
     except Exception as e:  # pragma: no cover - torch always present
         return GdsVerdict(False, f"torch: {e}")
     return GdsVerdict(True, "GDS_MT backend created")  # pragma: no cover - GPU + GDS only
+
+
+_GDS: GdsVerdict | None = None
+_GDS_LOCK = threading.Lock()
+
+
+def gds_verdict() -> GdsVerdict:
+    """Probe GPUDirect Storage once per process; say loudly when it is not usable."""
+    global _GDS
+    with _GDS_LOCK:
+        if _GDS is None:
+            _GDS = probe_gds()
+            metrics.GDS_AVAILABLE.set(1 if _GDS.available else 0)
+            if _GDS.available:
+                log.info("SSD tier: GPUDirect Storage probe: %s", _GDS.reason)
+            else:
+                log.warning("SSD tier: GPUDirect Storage unavailable (%s); GPU blocks take the host-bounce "
+                            "path through staging slabs", _GDS.reason)
+        return _GDS

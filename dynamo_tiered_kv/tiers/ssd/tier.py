@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,8 +35,9 @@ from ...keys import KEY_BYTES, BlockKey
 from ..base import ByteRange, ReadRequest, Tier, TierCapabilities, TierUsage, check_range
 from ..segments import SealedSegment, SegmentEntry
 from . import metrics
+from .flushing import SegmentSourceMixin, SegmentState
 from .index import CompactIndex
-from .io import GdsVerdict, PosixIO, aligned_buffer, as_u8, probe_gds, read_extent, select_io, write_extent
+from .io import GdsVerdict, PosixIO, aligned_buffer, as_u8, gds_verdict, read_extent, select_io, write_extent
 from .recovery import fsync_dir, load_tombstones, recover_segments
 from .segment import (
     LOCK_FILE,
@@ -58,25 +58,7 @@ BOUNCE_BYTES = 8 << 20
 _DEGRADING_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM, errno.EFBIG}
 
 
-@dataclass(eq=False)
-class _Segment:
-    seq: int
-    path: Path
-    fd: int
-    data_bytes: int
-    size: int  # bytes the file holds (sealed) or will hold once sealed (open: data + footer)
-    sealed: bool
-    flushed: bool = False
-    sealed_at: float = 0.0
-    last_used: int = 0
-    pins: int = 0
-    readers: int = 0
-    dead: bool = False
-    entries: list[tuple[bytes, int, int]] = field(default_factory=list)  # open segment only
-    sealed_entries: tuple[SegmentEntry, ...] | None = None  # cached for the flusher
-
-
-class SSDTier(Tier):
+class SSDTier(SegmentSourceMixin, Tier):
     """Segment-log SSD tier. Constructor keyword arguments are its config schema.
 
     Args:
@@ -132,8 +114,8 @@ class SSDTier(Tier):
 
         self._lock = threading.Lock()
         self._index = CompactIndex()
-        self._segments: dict[int, _Segment] = {}
-        self._open: _Segment | None = None
+        self._segments: dict[int, SegmentState] = {}
+        self._open: SegmentState | None = None
         self._next_seq = 1
         self._used = 0
         self._tick = 0
@@ -190,7 +172,7 @@ class SSDTier(Tier):
                 return
             self._io = select_io(self.rank_dir, self._io_mode)
             metrics.IO_PATH.labels(self._io.name).set(1)
-            self.gds = _gds_verdict()
+            self.gds = gds_verdict()
             self._recover()
             self._tomb_fd = os.open(self.rank_dir / TOMBSTONE_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError as e:
@@ -203,7 +185,7 @@ class SSDTier(Tier):
         recovered = recover_segments(self.rank_dir, self.rank)
         dead = load_tombstones(self.rank_dir, {r.seq for r in recovered})
         for r in recovered:
-            seg = _Segment(r.seq, r.path, self._io.open(r.path), r.data_bytes, r.size, sealed=True,
+            seg = SegmentState(r.seq, r.path, self._io.open(r.path), r.data_bytes, r.size, sealed=True,
                            flushed=r.flushed, sealed_at=r.sealed_at_ns / 1e9, last_used=self._next_tick())
             self._segments[r.seq] = seg
             self._used += r.size
@@ -329,7 +311,7 @@ class SSDTier(Tier):
                 > self._segment_bytes:
             self._seal_sync()
 
-    def _append_run(self, seg: _Segment, run: list[tuple[bytes, np.ndarray]], nbytes: int) -> None:
+    def _append_run(self, seg: SegmentState, run: list[tuple[bytes, np.ndarray]], nbytes: int) -> None:
         assert self._io is not None
         n0 = len(seg.entries)
         need = nbytes + footer_bytes(n0 + len(run)) - footer_bytes(n0)
@@ -361,7 +343,7 @@ class SSDTier(Tier):
         if superseded:  # old locations of rewritten keys must not come back after a restart
             self._append_tombstones(superseded)
 
-    def _write_failed(self, seg: _Segment, offset: int, e: OSError) -> None:
+    def _write_failed(self, seg: SegmentState, offset: int, e: OSError) -> None:
         with contextlib.suppress(OSError):
             os.ftruncate(seg.fd, offset)  # drop whatever part of the run reached the file
         reason = f"write to {seg.path.name} failed: {e}"
@@ -373,7 +355,7 @@ class SSDTier(Tier):
             metrics.DEGRADED.labels(errno.errorcode.get(e.errno or 0, "EIO")).inc()
         raise TierUnavailable(reason) from e
 
-    def _new_segment(self) -> _Segment:
+    def _new_segment(self) -> SegmentState:
         assert self._io is not None
         seq = self._next_seq
         path = self.rank_dir / segment_name(seq)
@@ -386,7 +368,7 @@ class SSDTier(Tier):
             log.error("SSD tier stops accepting writes: %s", self.readonly_reason)
             metrics.DEGRADED.labels(errno.errorcode.get(e.errno or 0, "EIO")).inc()
             raise TierUnavailable(self.readonly_reason) from e
-        seg = _Segment(seq, path, fd, 0, footer_bytes(0), sealed=False, last_used=self._next_tick())
+        seg = SegmentState(seq, path, fd, 0, footer_bytes(0), sealed=False, last_used=self._next_tick())
         with self._lock:
             self._next_seq = seq + 1
             self._segments[seq] = seg
@@ -404,7 +386,7 @@ class SSDTier(Tier):
         return self._tick
 
     # --- capacity ---------------------------------------------------------------------------
-    def _evictable(self, seg: _Segment) -> bool:
+    def _evictable(self, seg: SegmentState) -> bool:
         allow = self._allow_unflushed if self._allow_unflushed is not None else not self._flusher_attached
         return seg.sealed and not seg.dead and seg.pins == 0 and (seg.flushed or allow)
 
@@ -420,7 +402,7 @@ class SSDTier(Tier):
                 victim = min(victims, key=lambda s: s.last_used)
                 self._evict_locked(victim)
 
-    def _evict_locked(self, seg: _Segment) -> None:
+    def _evict_locked(self, seg: SegmentState) -> None:
         assert self._io is not None
         footer = read_footer_at(seg.path, seg.size)
         if footer is not None:
@@ -513,7 +495,7 @@ class SSDTier(Tier):
                 self._release([op[0] for op in ops])
         return results
 
-    def _plan_reads(self, requests: Sequence[ReadRequest]) -> list[tuple[_Segment, int, int, int]]:
+    def _plan_reads(self, requests: Sequence[ReadRequest]) -> list[tuple[SegmentState, int, int, int]]:
         """(segment, file offset, length, request index) per hit; takes a reader ref on each segment."""
         ops = []
         with self._lock:
@@ -535,14 +517,14 @@ class SSDTier(Tier):
                 raise
         return ops
 
-    def _release(self, segs: list[_Segment]) -> None:
+    def _release(self, segs: list[SegmentState]) -> None:
         with self._lock:
             for seg in segs:
                 seg.readers -= 1
                 if seg.dead and seg.readers == 0 and self._io is not None:
                     self._io.close_fd(seg.fd)
 
-    def _execute_reads(self, ops: list[tuple[_Segment, int, int, int]], requests: Sequence[ReadRequest],
+    def _execute_reads(self, ops: list[tuple[SegmentState, int, int, int]], requests: Sequence[ReadRequest],
                        results: list[int | None]) -> None:
         assert self._io is not None
         ops = sorted(ops, key=lambda o: (o[0].seq, o[1]))
@@ -610,80 +592,3 @@ class SSDTier(Tier):
                 os.fdatasync(self._tomb_fd)
         except OSError as e:  # the key is gone from memory; after a restart it may come back (still valid)
             log.error("SSD tier: cannot record %d tombstones: %s", len(locs), e)
-
-    # --- SegmentSource (for the object-tier flusher) ----------------------------------------
-    def _segment_id(self, seq: int) -> str:
-        return f"{self.rank_dir.name}/{seq:08d}"
-
-    def _seg_by_id(self, segment_id: str) -> _Segment | None:
-        rank_name, _, seq = segment_id.rpartition("/")
-        if rank_name != self.rank_dir.name or not seq.isdigit():
-            return None
-        return self._segments.get(int(seq))
-
-    def unflushed_segments(self) -> list[SealedSegment]:
-        """Sealed segments not yet in the object tier, oldest first. Marks a flusher as attached."""
-        self._flusher_attached = True
-        with self._lock:
-            segs = sorted((s for s in self._segments.values() if s.sealed and not s.flushed and not s.dead),
-                          key=lambda s: s.seq)
-        out = []
-        for s in segs:
-            if s.sealed_entries is None:
-                footer = read_footer_at(s.path, s.size)
-                if footer is None:
-                    continue
-                s.sealed_entries = tuple(SegmentEntry(k, o, n) for k, o, n in zip(
-                    footer.entries["key"].tolist(), footer.entries["offset"].tolist(),
-                    footer.entries["length"].tolist()))
-            out.append(SealedSegment(self._segment_id(s.seq), s.path, s.size, s.sealed_entries, s.sealed_at))
-        return out
-
-    def mark_flushed(self, segment_id: str) -> None:
-        """Durably record that the segment is in the object tier (a marker file beside it)."""
-        seg = self._seg_by_id(segment_id)
-        if seg is None or seg.flushed:
-            return
-        marker = flushed_marker(seg.path)
-        fd = os.open(marker, os.O_WRONLY | os.O_CREAT, 0o644)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        fsync_dir(self.rank_dir)
-        with self._lock:
-            seg.flushed = True
-            seg.sealed_entries = None
-
-    def pin_segment(self, segment_id: str) -> bool:
-        with self._lock:
-            seg = self._seg_by_id(segment_id)
-            if seg is None or seg.dead:
-                return False
-            seg.pins += 1
-            return True
-
-    def unpin_segment(self, segment_id: str) -> None:
-        with self._lock:
-            seg = self._seg_by_id(segment_id)
-            if seg is not None and seg.pins > 0:
-                seg.pins -= 1
-
-
-_GDS: GdsVerdict | None = None
-_GDS_LOCK = threading.Lock()
-
-
-def _gds_verdict() -> GdsVerdict:
-    """Probe GPUDirect Storage once per process; say loudly when it is not usable."""
-    global _GDS
-    with _GDS_LOCK:
-        if _GDS is None:
-            _GDS = probe_gds()
-            metrics.GDS_AVAILABLE.set(1 if _GDS.available else 0)
-            if _GDS.available:
-                log.info("SSD tier: GPUDirect Storage probe: %s", _GDS.reason)
-            else:
-                log.warning("SSD tier: GPUDirect Storage unavailable (%s); GPU blocks take the host-bounce "
-                            "path through staging slabs", _GDS.reason)
-        return _GDS

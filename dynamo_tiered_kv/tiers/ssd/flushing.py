@@ -1,0 +1,102 @@
+"""The tier's in-memory segment state, and the ``SegmentSource`` face it shows the flusher.
+
+``SegmentSourceMixin`` holds the four ``tiers.segments.SegmentSource`` methods. It is mixed into
+``SSDTier`` only and uses the tier's segment table (``_segments``), lock (``_lock``) and rank
+directory; it is split out to keep the flusher contract in one short file.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..segments import SealedSegment, SegmentEntry
+from .recovery import fsync_dir
+from .segment import flushed_marker, read_footer_at
+
+
+@dataclass(eq=False)
+class SegmentState:
+    seq: int
+    path: Path
+    fd: int
+    data_bytes: int
+    size: int  # bytes the file holds (sealed) or will hold once sealed (open: data + footer)
+    sealed: bool
+    flushed: bool = False
+    sealed_at: float = 0.0
+    last_used: int = 0
+    pins: int = 0
+    readers: int = 0
+    dead: bool = False
+    entries: list[tuple[bytes, int, int]] = field(default_factory=list)  # open segment only
+    sealed_entries: tuple[SegmentEntry, ...] | None = None  # cached for the flusher
+
+
+class SegmentSourceMixin:
+    """Sealed segments for the object-tier flusher: list, pin, mark flushed (durably)."""
+
+    rank_dir: Path
+    _segments: dict[int, SegmentState]
+    _lock: threading.Lock
+    _flusher_attached: bool
+
+    # --- SegmentSource (for the object-tier flusher) ----------------------------------------
+    def _segment_id(self, seq: int) -> str:
+        return f"{self.rank_dir.name}/{seq:08d}"
+
+    def _seg_by_id(self, segment_id: str) -> SegmentState | None:
+        rank_name, _, seq = segment_id.rpartition("/")
+        if rank_name != self.rank_dir.name or not seq.isdigit():
+            return None
+        return self._segments.get(int(seq))
+
+    def unflushed_segments(self) -> list[SealedSegment]:
+        """Sealed segments not yet in the object tier, oldest first. Marks a flusher as attached."""
+        self._flusher_attached = True
+        with self._lock:
+            segs = sorted((s for s in self._segments.values() if s.sealed and not s.flushed and not s.dead),
+                          key=lambda s: s.seq)
+        out = []
+        for s in segs:
+            if s.sealed_entries is None:
+                footer = read_footer_at(s.path, s.size)
+                if footer is None:
+                    continue
+                s.sealed_entries = tuple(SegmentEntry(k, o, n) for k, o, n in zip(
+                    footer.entries["key"].tolist(), footer.entries["offset"].tolist(),
+                    footer.entries["length"].tolist()))
+            out.append(SealedSegment(self._segment_id(s.seq), s.path, s.size, s.sealed_entries, s.sealed_at))
+        return out
+
+    def mark_flushed(self, segment_id: str) -> None:
+        """Durably record that the segment is in the object tier (a marker file beside it)."""
+        seg = self._seg_by_id(segment_id)
+        if seg is None or seg.flushed:
+            return
+        marker = flushed_marker(seg.path)
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(self.rank_dir)
+        with self._lock:
+            seg.flushed = True
+            seg.sealed_entries = None
+
+    def pin_segment(self, segment_id: str) -> bool:
+        with self._lock:
+            seg = self._seg_by_id(segment_id)
+            if seg is None or seg.dead:
+                return False
+            seg.pins += 1
+            return True
+
+    def unpin_segment(self, segment_id: str) -> None:
+        with self._lock:
+            seg = self._seg_by_id(segment_id)
+            if seg is not None and seg.pins > 0:
+                seg.pins -= 1
