@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,6 +77,9 @@ class WorkerRole:
         self._failed_this_step: set[int] = set()
         #: per request id: tier name of each block restored for it (the demo reports this)
         self.served: dict[str, list[str]] = {}
+        #: wall seconds spent in loads and in save submissions (the demo reports these)
+        self.load_seconds = 0.0
+        self.save_seconds = 0.0
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         layout = _detect_layout(kv_caches, self.block_size, self.num_kv_heads, self.head_size, self.is_mla)
@@ -112,6 +116,7 @@ class WorkerRole:
                 self._failed_this_step.update(spec.block_ids)
             self._load_errors |= self._failed_this_step
             return
+        t0 = time.perf_counter()
         for spec in meta.loads:
             res = self.store.load(self.layout, spec.block_ids, self.keys_of(spec.token_hashes),
                                   timeout=self.config.load_timeout_s)
@@ -121,10 +126,12 @@ class WorkerRole:
                          len(res.failed_block_ids), len(spec.block_ids))
                 self._failed_this_step.update(res.failed_block_ids)
         self._load_errors |= self._failed_this_step
+        self.load_seconds += time.perf_counter() - t0
 
     def wait_for_save(self, meta: TieredKVMetadata) -> None:
         if self.store is None or self.layout is None:
             return
+        t0 = time.perf_counter()
         for spec in meta.saves:
             hashes = spec.token_hashes
             keys = self.keys_of(hashes)
@@ -141,6 +148,7 @@ class WorkerRole:
                 ps.append(p)
             if ids:
                 self.store.submit_offload(self.layout, ids, ks, ps, first_index=spec.first_index)
+        self.save_seconds += time.perf_counter() - t0
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

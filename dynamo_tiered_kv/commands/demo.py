@@ -1,0 +1,199 @@
+"""``dtkv demo``: a multi-turn agent conversation on a real vLLM CPU engine, with and without restore.
+
+Three sessions, each a fresh engine process with the connector on embedded defaults (host
+memory, a local SSD directory and a local-directory object tier under ``--dir``):
+
+1. ``live``: the agent conversation runs turn by turn. Before each turn the engine's own prefix
+   cache is emptied (as if other users had evicted it); the turn's time to first token is
+   measured twice: recomputing the whole context (a fresh ``cache_salt``, so nothing can hit)
+   and restoring the history from the store (served by the host tier).
+2. ``restart``: a new engine process with no host tier replays the turns: the SSD serves them.
+3. ``new-node``: the SSD directory is wiped: the object tier serves them.
+
+Greedy outputs of restored turns are compared with the recomputed ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BLOCK_SIZE = 64
+SYSTEM = (
+    "You are a coding agent. Tools: search(query) returns matching files; read(path) returns a "
+    "file; write(path, text) stores a file; run(cmd) executes a command and returns its output. "
+)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="multi-turn agent conversation on vLLM (CPU): TTFT with and without restore")
+    p.add_argument("--dir", type=Path, default=None, help="working directory (default: a temporary one)")
+    p.add_argument("--turns", type=int, default=5, help="conversation turns (default 5)")
+    p.add_argument("--system-tokens", type=int, default=2048,
+                   help="tokens of system prompt and repository context the agent starts with")
+    p.add_argument("--context-tokens", type=int, default=384, help="tokens of tool output added per turn")
+    p.add_argument("--answer-tokens", type=int, default=24, help="tokens the agent generates per turn")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--phase", choices=["live", "replay"], help=argparse.SUPPRESS)
+    p.add_argument("--no-host", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+
+
+def _extra_config(work: Path, *, host: bool) -> dict[str, Any]:
+    return {"host_capacity_bytes": (512 << 20) if host else 0, "ssd_dir": str(work / "ssd"),
+            "ssd_capacity_bytes": 4 << 30, "ssd_segment_bytes": 64 << 20,
+            "object_url": f"file://{work / 'objects'}", "staging_slab_bytes": 16 << 20, "staging_slabs": 4}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.phase:
+        return _phase(args)
+    work = args.dir or Path(tempfile.mkdtemp(prefix="dtkv-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    for d in ("ssd", "objects"):
+        shutil.rmtree(work / d, ignore_errors=True)
+    from ..connectors.vllm.tiny_model import DEMO_SPEC, build_tiny_model
+
+    t0 = time.perf_counter()
+    build_tiny_model(work / "model", DEMO_SPEC)
+    if not args.json:
+        print(f"dtkv demo in {work}: random-weight Llama ({DEMO_SPEC.num_hidden_layers} layers, hidden "
+              f"{DEMO_SPEC.hidden_size}) built in {time.perf_counter() - t0:.1f}s; tiers: host, "
+              f"SSD {work / 'ssd'}, objects file://{work / 'objects'}", flush=True)
+    sessions = [("live", "host", []), ("restart", "ssd", ["--no-host"]), ("new-node", "object", ["--no-host"])]
+    results: dict[str, Any] = {"dir": str(work), "sessions": {}}
+    for name, _expect, extra in sessions:
+        if name == "new-node":
+            shutil.rmtree(work / "ssd", ignore_errors=True)
+        phase = "live" if name == "live" else "replay"
+        out = work / f"{name}.json"
+        cmd = [sys.executable, "-m", "dynamo_tiered_kv.commands.demo", "--dir", str(work), "--phase", phase,
+               "--turns", str(args.turns), "--context-tokens", str(args.context_tokens),
+               "--system-tokens", str(args.system_tokens),
+               "--answer-tokens", str(args.answer_tokens), *extra]
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+               "DTKV_DEMO_OUT": str(out)}
+        t1 = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+            print(f"demo session {name} failed (exit {proc.returncode}); log above", file=sys.stderr)
+            return 1
+        session = json.loads(out.read_text())
+        session["wall_s"] = time.perf_counter() - t1
+        results["sessions"][name] = session
+        if not args.json:
+            _print_session(name, session)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    return 0
+
+
+def _print_session(name: str, s: dict[str, Any]) -> None:
+    titles = {"live": "live engine, its own prefix cache emptied before each turn",
+              "restart": "restarted engine, no host tier", "new-node": "new node: SSD wiped, shared objects only"}
+    print(f"\n[{name}] {titles[name]} ({s['wall_s']:.0f}s incl. engine start)")
+    if name != "live":
+        print("      (TTFT recompute: the live session's full prefill of the same prompt)")
+    print(f"{'turn':>4} {'context':>8} {'TTFT recompute':>15} {'TTFT restore':>13} {'speedup':>8} "
+          f"{'restored':>9} {'load':>7}  served by        output")
+    for t in s["turns"]:
+        rec, res = t.get("ttft_recompute_ms"), t["ttft_restore_ms"]
+        served = ", ".join(f"{k} {v}" for k, v in sorted(t["tiers"].items())) or "-"
+        rec_s = f"{rec:.0f} ms" if rec else "-"
+        speed = f"{rec / res:.1f}x" if rec else "-"
+        same = "same" if t["same_output"] else "DIFFERENT"
+        print(f"{t['turn']:>4} {t['context_tokens']:>8} {rec_s:>15} {res:>10.0f} ms {speed:>8} "
+              f"{t['restored_tokens']:>9} {t['load_ms']:>4.0f} ms  {served:<16} {same}")
+
+
+# --- one engine session (child process) ---------------------------------------------------------
+def _phase(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.disable(logging.WARNING)
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from ..connectors.vllm.tiny_model import DEMO_SPEC, synthetic_tokens
+
+    work: Path = args.dir
+    llm = LLM(model=str(work / "model"), dtype="bfloat16", max_model_len=DEMO_SPEC.max_position_embeddings,
+              enforce_eager=True, seed=0, block_size=BLOCK_SIZE, enable_prefix_caching=True, max_num_seqs=4,
+              max_num_batched_tokens=DEMO_SPEC.max_position_embeddings,
+              kv_transfer_config={"kv_connector": "TieredKVConnector",
+                                  "kv_connector_module_path": "dynamo_tiered_kv.connectors.vllm",
+                                  "kv_role": "kv_both",
+                                  "kv_connector_extra_config": _extra_config(work, host=not args.no_host)})
+    conn = get_kv_transfer_group()
+    worker = conn.worker
+    tok = llm.get_tokenizer()
+    first = SamplingParams(max_tokens=1, temperature=0)
+    answer = SamplingParams(max_tokens=args.answer_tokens, temperature=0)
+    convo_path = work / "conversation.json"
+
+    def ttft(prompt: list[int], salt: str | None) -> tuple[float, int, dict[str, int], list[int]]:
+        worker.store.drain(60)  # background writes finished: both measurements see an idle machine
+        llm.reset_prefix_cache()  # the engine's own cache is gone: only the store can help
+        worker.served.clear()
+        load0 = worker.load_seconds
+        p: dict[str, Any] = {"prompt_token_ids": prompt}
+        if salt:
+            p["cache_salt"] = salt
+        t = time.perf_counter()
+        out = llm.generate([p], first, use_tqdm=False)[0]
+        dt = (time.perf_counter() - t) * 1000
+        load_ms.append((worker.load_seconds - load0) * 1000)
+        tiers: dict[str, int] = {}
+        for names in worker.served.values():
+            for n in names:
+                tiers[n] = tiers.get(n, 0) + 1
+        return dt, int(out.num_cached_tokens or 0), tiers, list(out.outputs[0].token_ids)
+
+    load_ms: list[float] = []
+    llm.generate([{"prompt_token_ids": list(range(4, 4 + BLOCK_SIZE + 1)), "cache_salt": "warmup"}], first,
+                 use_tqdm=False)  # first forward pays one-time costs; keep them out of the numbers
+    turns = []
+    if args.phase == "live":
+        history = tok.encode(SYSTEM) + synthetic_tokens(args.system_tokens, seed=7, vocab_size=DEMO_SPEC.vocab_size)
+        prompts = []
+        for i in range(args.turns):
+            tool_output = synthetic_tokens(args.context_tokens, seed=100 + i, vocab_size=DEMO_SPEC.vocab_size)
+            prompt = history + tok.encode(f"\nuser: step {i + 1}, here is the tool output:\n") + tool_output
+            prompts.append(prompt)
+            rec_ms, _, _, rec_tok = ttft(prompt, salt=f"recompute-{time.time_ns()}")
+            res_ms, cached, tiers, res_tok = ttft(prompt, salt=None)
+            reply = llm.generate([{"prompt_token_ids": prompt}], answer, use_tqdm=False)[0]
+            history = prompt + list(reply.outputs[0].token_ids)
+            turns.append({"turn": i + 1, "context_tokens": len(prompt), "ttft_recompute_ms": rec_ms,
+                          "ttft_restore_ms": res_ms, "restored_tokens": cached, "tiers": tiers,
+                          "load_ms": load_ms[-1], "first_token": rec_tok, "same_output": rec_tok == res_tok})
+        convo_path.write_text(json.dumps({"prompts": prompts, "first_tokens": [t["first_token"] for t in turns],
+                                          "recompute_ms": [t["ttft_recompute_ms"] for t in turns]}))
+    else:
+        convo = json.loads(convo_path.read_text())
+        for i, (prompt, expect) in enumerate(zip(convo["prompts"], convo["first_tokens"], strict=True)):
+            res_ms, cached, tiers, res_tok = ttft(prompt, salt=None)
+            turns.append({"turn": i + 1, "context_tokens": len(prompt), "ttft_restore_ms": res_ms,
+                          "ttft_recompute_ms": convo["recompute_ms"][i],
+                          "restored_tokens": cached, "tiers": tiers, "load_ms": load_ms[-1],
+                          "same_output": res_tok == expect})
+    conn.shutdown()  # drains offloads, seals the SSD segment, flushes it to the object tier
+    Path(os.environ["DTKV_DEMO_OUT"]).write_text(json.dumps({"turns": turns}))
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="dtkv-demo-phase")
+    register(p.add_subparsers())
+    a = p.parse_args(["demo", *sys.argv[1:]])
+    sys.exit(a.func(a))
