@@ -74,7 +74,9 @@ class TieredKVConfig(BaseSettings):
     load_timeout_s: float = Field(30.0, gt=0)
 
     # --- observability ---------------------------------------------------------------------------
-    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus metrics here")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="serve Prometheus metrics on this port + TP rank (0: any free port)"
+    )
 
     @field_validator("object_url")
     @classmethod

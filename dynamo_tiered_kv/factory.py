@@ -120,7 +120,8 @@ def build_store(config: TieredKVConfig, namespace: Namespace) -> TieredStore:
         write_depth=len(tiers) if flusher is None else len(tiers) - 1,
         ttl_s=ttls,
         background=background,
-        metrics_port=config.metrics_port,
+        # every TP rank runs its own store in its own process: rank r serves on metrics_port + r
+        metrics_port=config.metrics_port + namespace.tp_rank if config.metrics_port else config.metrics_port,
     )
     if flusher is not None:
         store.metrics.registry.register(_FlushCollector(flusher))
