@@ -423,6 +423,14 @@ class TieredStore:
 
     flush = drain
 
+    def persist(self, timeout: float = 30.0) -> None:
+        """Drain offloads, then seal open segments and wait for write-back (SSD -> objects).
+
+        For tools, tests and planned shutdowns; ``close`` does the same. Bounded by ``timeout``.
+        """
+        self.drain(timeout)
+        self._call(self._persist(timeout), timeout=2 * timeout + 5)
+
     @property
     def pending_offloads(self) -> int:
         return self._pending

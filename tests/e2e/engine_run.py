@@ -1,9 +1,13 @@
 """One engine phase, run in a fresh process by the e2e tests: ``python engine_run.py SPEC.json OUT.json``.
 
 SPEC: {"model": dir, "extra_config": {...} | null (no connector), "prompts": [[ids...], ...],
-       "max_tokens": n, "rounds": [{"reset_prefix_cache": bool}], "block_size": n}
+       "max_tokens": n, "block_size": n, "multiprocess": bool, "rounds": [ROUND, ...]}
+ROUND (all optional): {"prompts": [[ids...]] (else SPEC's), "reset_prefix_cache": bool,
+       "wait_for_file": path (barrier before the round), "persist_s": seconds (seal + flush after
+       the round), "wait_flush_failures": seconds (until the flusher has counted a failure),
+       "touch_after": path (signal the test after the round)}
 OUT:  {"rounds": [{"outputs": [[ids...]], "num_cached_tokens": [n...], "served": {...},
-       "metrics": {...}}]}
+       "metrics": {...}, "seconds": generate wall time}]}
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -47,7 +53,24 @@ def _snapshot(conn) -> dict:
             out[f"offload_dropped_total{{{reason}}}"] = v
     for t in store.tiers:
         out[f"blocks{{{t.name}}}"] = t.usage().num_blocks
+    flusher = getattr(store, "flusher", None)
+    if flusher is not None:
+        st = flusher.stats
+        out.update({"flush_segments": st.flushed_segments, "flush_failures": st.failures,
+                    "flush_lag_bytes": st.lag_bytes})
     return out
+
+
+def _store(conn):
+    return None if conn is None or conn.worker is None else conn.worker.store
+
+
+def _wait_file(path: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not Path(path).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {path} never appeared")
+        time.sleep(0.05)
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -63,25 +86,41 @@ def main(spec_path: str, out_path: str) -> None:
             "kv_role": "kv_both",
             "kv_connector_extra_config": spec["extra_config"],
         }
+    if spec.get("multiprocess"):
+        kw["distributed_executor_backend"] = "mp"  # worker in its own process: lookups go over the socket
     llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=4096, enforce_eager=True, seed=0,
               block_size=spec.get("block_size", 32), enable_prefix_caching=True, max_num_seqs=8,
               max_num_batched_tokens=4096, **kw)
     sp = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0)
-    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     conn = _connector(llm)
     rounds = []
     for r in spec.get("rounds", [{}]):
+        if r.get("wait_for_file"):
+            _wait_file(r["wait_for_file"])
         if r.get("reset_prefix_cache"):
             llm.reset_prefix_cache()
         if conn is not None and conn.worker is not None:
             conn.worker.served.clear()
+        prompts = [{"prompt_token_ids": p} for p in r.get("prompts", spec["prompts"])]
+        t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        store = _store(conn)
+        if store is not None and r.get("persist_s"):
+            store.persist(r["persist_s"])
+        if store is not None and r.get("wait_flush_failures"):
+            deadline = time.monotonic() + r["wait_flush_failures"]
+            while store.flusher.stats.failures == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
         rounds.append({
             "outputs": [list(o.outputs[0].token_ids) for o in outs],
             "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
             "served": dict(conn.worker.served) if conn is not None and conn.worker is not None else {},
             "metrics": _snapshot(conn),
+            "seconds": seconds,
         })
+        if r.get("touch_after"):
+            Path(r["touch_after"]).write_text(json.dumps(rounds[-1]))
     with open(out_path, "w") as f:
         json.dump({"rounds": rounds}, f)
     if conn is not None:

@@ -30,12 +30,12 @@ EXPECT_CACHED = [9 * BS, 6 * BS]
 
 
 def run_phase(tmp: Path, name: str, extra_config: dict | None, *, rounds: list[dict] | None = None,
-              prompts: list[list[int]] = PROMPTS, env: dict | None = None) -> list[dict]:
+              prompts: list[list[int]] = PROMPTS, env: dict | None = None, multiprocess: bool = False) -> list[dict]:
     spec = {"model": str(MODEL_DIR), "extra_config": extra_config, "prompts": prompts, "max_tokens": 8,
-            "block_size": BS, "rounds": rounds or [{}]}
+            "block_size": BS, "rounds": rounds or [{}], "multiprocess": multiprocess}
     spec_path, out_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
-    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", "HF_HUB_OFFLINE": "1",
                 "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     proc = subprocess.run([sys.executable, str(RUNNER), str(spec_path), str(out_path)], env=full_env,
                           capture_output=True, text=True, timeout=600)
@@ -120,3 +120,104 @@ def test_corrupt_segment_is_recomputed(world: dict) -> None:
     assert r["metrics"].get("checksum_failures_total{ssd}", 0) >= 1
     assert r["metrics"].get("load_failed_blocks_total", 0) >= 1
     assert 0 < _hits(r, "ssd") < 15  # blocks before the damage still came from the store
+
+
+def test_multiprocess_engine_looks_up_over_the_socket(world: dict) -> None:
+    """EngineCore and the worker in separate processes (``vllm serve`` topology): the scheduler's
+    lookup goes over the worker's Unix socket; the SSD serves a fresh engine."""
+    root = world["root"]
+    shutil.copytree(root / "ssd-pristine", root / "ssd-mp")
+    cfg = {**world["cfg"], "ssd_dir": str(root / "ssd-mp"), "object_url": None}
+    (r,) = run_phase(root, "multiprocess", cfg, multiprocess=True)
+    assert r["outputs"] == world["store"]["outputs"]
+    assert r["num_cached_tokens"] == EXPECT_CACHED
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_moto(port: int, log: Path) -> subprocess.Popen:
+    import time
+    import urllib.request
+
+    proc = subprocess.Popen([shutil.which("moto_server") or "moto_server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    for _ in range(200):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.05)
+    import botocore.session
+
+    s3 = botocore.session.get_session().create_client(
+        "s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",
+        aws_access_key_id="testing", aws_secret_access_key="testing")
+    s3.create_bucket(Bucket="dtkv-e2e")
+    return proc
+
+
+@pytest.mark.skipif(shutil.which("moto_server") is None, reason="moto[server] not installed")
+def test_object_server_outage_keeps_engine_serving_and_catches_up(world: dict) -> None:
+    """The S3 server stops mid-run: requests keep completing (host and SSD keep taking offloads,
+    the flusher counts failures), and when it returns the backlog is flushed."""
+    import time
+
+    root = world["root"] / "outage"
+    root.mkdir()
+    port = _free_port()
+    moto = _start_moto(port, root / "moto.log")
+    cfg = {**world["cfg"], "ssd_dir": str(root / "ssd"), "object_url": "s3://dtkv-e2e/run",
+           "s3_endpoint_url": f"http://127.0.0.1:{port}", "s3_access_key": "testing", "s3_secret_key": "testing"}
+    more = [synthetic_tokens(260, 3), synthetic_tokens(230, 4)]
+    rounds = [
+        {"persist_s": 30, "touch_after": str(root / "r1.done")},
+        {"prompts": more, "wait_for_file": str(root / "go2"), "persist_s": 3, "wait_flush_failures": 30,
+         "touch_after": str(root / "r2.done")},
+        {"prompts": more, "reset_prefix_cache": True, "wait_for_file": str(root / "go3"), "persist_s": 60},
+    ]
+    spec = {"model": str(MODEL_DIR), "extra_config": cfg, "prompts": PROMPTS, "max_tokens": 8, "block_size": BS,
+            "rounds": rounds}
+    (root / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with (root / "engine.log").open("w") as log:
+        engine = subprocess.Popen([sys.executable, str(RUNNER), str(root / "spec.json"), str(root / "out.json")],
+                                  env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def wait(path: Path) -> None:
+            deadline = time.monotonic() + 300
+            while not path.exists():
+                assert engine.poll() is None, (root / "engine.log").read_text()[-4000:]
+                assert time.monotonic() < deadline, f"engine never reached {path.name}"
+                time.sleep(0.1)
+
+        wait(root / "r1.done")
+        moto.terminate()  # the object server goes away
+        moto.wait(30)
+        (root / "go2").touch()
+        wait(root / "r2.done")
+        moto = _start_moto(port, root / "moto.log")  # it comes back (empty: moto is in-memory)
+        (root / "go3").touch()
+        assert engine.wait(300) == 0, (root / "engine.log").read_text()[-4000:]
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+        moto.terminate()
+        moto.wait(30)
+    r1, r2, r3 = json.loads((root / "out.json").read_text())["rounds"]
+    assert r1["metrics"]["flush_segments"] >= 1 and r1["metrics"]["flush_failures"] == 0
+    assert r1["outputs"] == world["store"]["outputs"]
+    # Server down: every request completed, offloads still landed in host and SSD, flushes failed.
+    assert r2["metrics"]["offload_blocks_total"] > r1["metrics"]["offload_blocks_total"]
+    assert r2["metrics"]["flush_failures"] >= 1
+    assert r2["metrics"]["flush_segments"] == r1["metrics"]["flush_segments"]
+    # Server back: the backlog went up; the outage-time KV restores and matches.
+    assert r3["metrics"]["flush_segments"] > r2["metrics"]["flush_segments"]
+    assert r3["metrics"]["flush_lag_bytes"] == 0
+    assert r3["outputs"] == r2["outputs"]
+    assert sum(r3["num_cached_tokens"]) > 0
