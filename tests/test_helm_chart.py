@@ -15,6 +15,7 @@ import ast
 import base64
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -408,14 +409,87 @@ def test_metrics_service_selects_the_worker_pods(case) -> None:
         assert not services
         return
     (svc,) = services
-    _, container, labels = _worker_pod(docs)
+    _, _, labels = _worker_pod(docs)
     assert svc["spec"]["selector"].items() <= labels.items()
-    port = values.get("metrics", {}).get("port", 9464)
-    assert {"name": "dtkv-metrics", "containerPort": port, "protocol": "TCP"} in container["ports"]
-    assert svc["spec"]["ports"][0]["targetPort"] == "dtkv-metrics"
     for sm in (d for d in docs if d["kind"] == "ServiceMonitor"):
         assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
-        assert sm["spec"]["endpoints"][0]["port"] == "dtkv-metrics"
+
+
+def _tp_size(values: dict[str, Any]) -> int:
+    """The TP size the values ask for: model.tensorParallelSize, else worker.gpus (the chart's rule)."""
+    tp = values.get("model", {}).get("tensorParallelSize")
+    return int(tp if tp is not None else values.get("worker", {}).get("gpus", 1))
+
+
+def _metrics_port_name(rank: int) -> str:
+    return "dtkv-metrics" if rank == 0 else f"dtkv-m-{rank}"
+
+
+def _check_metrics_ports(values: dict[str, Any], docs: list[dict[str, Any]]) -> None:
+    """Every TP rank r serves on metrics.port + r (factory.build_store): the worker's container ports,
+    the metrics Service (and the StatefulSet's headless one), one ServiceMonitor endpoint each and the
+    NetworkPolicy cover exactly those ports, under valid, unique port names."""
+    metrics = values.get("metrics", {})
+    _, container, _ = _worker_pod(docs)
+    ports = container.get("ports", [])
+    names = [p["name"] for p in ports]
+    assert len(set(names)) == len(names), f"duplicate container port names {names}"
+    assert len({p["containerPort"] for p in ports}) == len(ports), f"duplicate container ports {ports}"
+    for name in names:  # IANA_SVC_NAME
+        assert len(name) <= 15 and re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", name) and re.search("[a-z]", name), name
+    dtkv = {p["name"]: p["containerPort"] for p in ports if p["name"].startswith("dtkv-")}
+    services = [d for d in docs if d["kind"] == "Service"]
+    if not metrics.get("enabled", True):
+        assert not dtkv
+        for svc in services:
+            assert not [p for p in svc["spec"].get("ports", []) if p["name"].startswith("dtkv-")]
+        return
+
+    tp = _tp_size(values)
+    assert int(_arg(container, "--tensor-parallel-size") or 1) == tp
+    base = metrics.get("port", 9464)
+    expected = {_metrics_port_name(r): base + r for r in range(tp)}
+    assert dtkv == expected, f"container metrics ports {dtkv}, want one per TP rank {expected}"
+    system = values.get("worker", {}).get("dynamoSystem", {"enabled": True, "port": 9090})
+    if system["enabled"]:
+        assert system["port"] not in expected.values()
+
+    for svc in services:  # the metrics Service and, for a StatefulSet, the headless one
+        svc_ports = {p["name"]: p for p in svc["spec"].get("ports", []) if p["name"].startswith("dtkv-")}
+        assert {n: p["port"] for n, p in svc_ports.items()} == expected, svc["metadata"]["name"]
+        for name, p in svc_ports.items():  # the target is the container port of the same rank
+            assert dtkv[p["targetPort"]] == p["port"], (name, p)
+    (svc,) = [d for d in services if d["metadata"]["name"].endswith("-metrics")]
+    by_name = {p["name"]: p["port"] for p in svc["spec"]["ports"]}
+    for sm in (d for d in docs if d["kind"] == "ServiceMonitor"):
+        endpoints = sm["spec"]["endpoints"]
+        assert sorted(by_name[e["port"]] for e in endpoints) == sorted(expected.values())
+        for e in endpoints:  # the tp_rank target label tells the ranks of one pod apart
+            rank = by_name[e["port"]] - base
+            assert {"targetLabel": "tp_rank", "replacement": str(rank)} in e["relabelings"]
+    for np in (d for d in docs if d["kind"] == "NetworkPolicy"):
+        allowed = {p["port"] for rule in np["spec"]["ingress"] for p in rule.get("ports", [])}
+        assert set(expected.values()) <= allowed
+
+
+def test_metrics_ports_cover_every_tp_rank(case) -> None:
+    values, docs = case
+    _check_metrics_ports(values, docs)
+
+
+@pytest.mark.parametrize("extra", [{"worker": {"gpus": 4}, "model": {"tensorParallelSize": 2}},
+                                   {"worker": {"gpus": 8, "resources": {"limits": {"memory": "600Gi"}}},
+                                    "metrics": {"port": 9100, "serviceMonitor": {"enabled": True}}}],
+                         ids=["tp2-of-4-gpus", "tp8"])
+def test_metrics_ports_follow_the_tp_size(helm: str, extra: dict[str, Any], tmp_path: Path) -> None:
+    """The number of metrics ports is the TP size, not the GPU count; port names stay valid up to TP 8."""
+    base = yaml.safe_load((CHART / "ci" / "deployment-hostpath-s3-values.yaml").read_text())
+    values = _merge(base, extra)
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    out = _run(helm, "template", "t", CHART, "-f", path)
+    assert out.returncode == 0, out.stderr
+    _check_metrics_ports(values, [d for d in yaml.safe_load_all(out.stdout) if d])
 
 
 def test_gpus_and_shm(case) -> None:
@@ -549,6 +623,10 @@ BAD_VALUES = {
     "memory limit too low": (["--set", "tieredKV.host_capacity_bytes=90Gi"], "below what the pod pins"),
     "secret twice": (["--set", "secret.existingSecret=other"], "not both"),
     "metrics on the system port": (["--set", "metrics.port=9090"], "need their own ports"),
+    "rank 1 metrics on the system port": (["--set", "worker.gpus=2", "--set", "metrics.port=9089"],
+                                          "metrics ports 9089-9090 (metrics.port + TP rank 0..1) and "
+                                          "worker.dynamoSystem.port 9090 collide"),
+    "metrics ports past 65535": (["--set", "worker.gpus=2", "--set", "metrics.port=65535"], "above 65535"),
     "SSD capacity above volume": (["--set", "tieredKV.ssd_capacity_bytes=300Gi"], "exceeds ssd.size"),
 }
 
@@ -593,6 +671,14 @@ def test_install_helm_is_idempotent(helm: str) -> None:
 def _arg(container: dict[str, Any], flag: str) -> str | None:
     args = container["args"]
     return args[args.index(flag) + 1] if flag in args else None
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """base with extra merged in, recursively (as helm merges -f files)."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def _quantity(q: str) -> int:

@@ -271,11 +271,27 @@ metrics settings: the GC job has no SSD volume and serves no metrics.
   containerPort: {{ .Values.worker.dynamoSystem.port }}
   protocol: TCP
 {{- end }}
-{{- if .Values.metrics.enabled }}
-- name: dtkv-metrics
-  containerPort: {{ .Values.metrics.port }}
+{{- range $r := include "dtkv.metricsRanks" . | fromJsonArray }}
+- name: {{ include "dtkv.metricsPortName" $r }}
+  containerPort: {{ add $.Values.metrics.port $r }}
   protocol: TCP
 {{- end }}
+{{- end -}}
+
+{{/*
+TP ranks that serve metrics: every rank runs its own store in its own process and serves on
+metrics.port + rank. A JSON list (empty with metrics off), for `fromJsonArray`.
+*/}}
+{{- define "dtkv.metricsRanks" -}}
+{{- if .Values.metrics.enabled -}}{{- until (include "dtkv.tpSize" . | int) | toJson -}}{{- else -}}[]{{- end -}}
+{{- end -}}
+
+{{/*
+The port name of a rank: dtkv-metrics for rank 0 (the name before per-rank ports), then
+dtkv-m-<rank>. Port names are IANA_SVC_NAME: at most 15 characters (dtkv-m-99999 is 12).
+*/}}
+{{- define "dtkv.metricsPortName" -}}
+{{- if eq (int .) 0 -}}dtkv-metrics{{- else -}}dtkv-m-{{ int . }}{{- end -}}
 {{- end -}}
 
 {{/* Pod annotations that roll the pods when the config or the created Secret changes. */}}
@@ -323,8 +339,18 @@ checksum/secret: {{ include (print $.Template.BasePath "/secret.yaml") . | sha25
 {{- fail (printf "tieredKV.ssd_capacity_bytes (%s per TP rank) x %d rank(s) exceeds ssd.size (%s); an emptyDir over its sizeLimit gets the pod evicted" (toString $v.tieredKV.ssd_capacity_bytes) $tp $v.ssd.size) -}}
 {{- end -}}
 {{- end -}}
-{{- if and $v.metrics.enabled $v.worker.dynamoSystem.enabled (eq ($v.metrics.port | int) ($v.worker.dynamoSystem.port | int)) -}}
-{{- fail (printf "metrics.port and worker.dynamoSystem.port are both %d: Dynamo's system server and the dtkv metrics server need their own ports" ($v.metrics.port | int)) -}}
+{{- if $v.metrics.enabled -}}
+{{- $first := $v.metrics.port | int -}}
+{{- $last := add $first $tp -1 | int -}}
+{{- $what := printf "metrics.port %d" $first -}}
+{{- if gt $tp 1 -}}{{- $what = printf "metrics ports %d-%d (metrics.port + TP rank 0..%d)" $first $last (sub $tp 1) -}}{{- end -}}
+{{- if gt $last 65535 -}}
+{{- fail (printf "%s: port %d is above 65535; lower metrics.port" $what $last) -}}
+{{- end -}}
+{{- $sys := $v.worker.dynamoSystem.port | int -}}
+{{- if and $v.worker.dynamoSystem.enabled (le $first $sys) (le $sys $last) -}}
+{{- fail (printf "%s and worker.dynamoSystem.port %d collide: Dynamo's system server and the dtkv metrics servers need their own ports; move metrics.port" $what $sys) -}}
+{{- end -}}
 {{- end -}}
 {{- include "dtkv.validateMemory" . -}}
 {{- end -}}
