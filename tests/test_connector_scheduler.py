@@ -1,0 +1,153 @@
+"""vLLM connector scheduler role and lookup rendezvous, without an engine (fake requests)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+from dynamo_tiered_kv.config import TieredKVConfig
+from dynamo_tiered_kv.connectors.vllm.rendezvous import LookupClient, LookupServer, register_local, unregister_local
+from dynamo_tiered_kv.connectors.vllm.scheduler import SchedulerRole
+
+BS = 4
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    all_token_ids: list[int]
+    cache_salt: str | None = None
+    mm_features: list = field(default_factory=list)
+    prompt_embeds: object = None
+    lora_request: object = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+class FakeLookup:
+    def __init__(self, known: set[bytes]) -> None:
+        self.known = known
+        self.calls: list[list[bytes]] = []
+
+    def lookup(self, hashes):
+        self.calls.append(list(hashes))
+        n = 0
+        for h in hashes:
+            if h not in self.known:
+                break
+            n += 1
+        return n, ("host",) * n
+
+    def close(self) -> None:
+        pass
+
+
+def role(lookup, **cfg) -> SchedulerRole:
+    return SchedulerRole(TieredKVConfig.from_mapping(cfg), model_id="m", block_size=BS, lookup=lookup)
+
+
+def sched_output(new=(), cached=(), tokens=None):
+    new_reqs = [SimpleNamespace(req_id=r, block_ids=(ids,), num_computed_tokens=nc) for r, ids, nc in new]
+    c = list(cached)
+    cached_reqs = SimpleNamespace(req_ids=[r for r, _, _ in c], resumed_req_ids=set(),
+                                  new_block_ids=[(ids,) if ids else None for _, ids, _ in c],
+                                  num_computed_tokens=[nc for _, _, nc in c])
+    return SimpleNamespace(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
+                           num_scheduled_tokens=tokens or {})
+
+
+def test_saves_full_blocks_then_restores_the_prefix() -> None:
+    writer = role(FakeLookup(set()))
+    req = FakeRequest("a", list(range(10)))  # 2 full blocks + 2 tokens
+    assert writer.get_num_new_matched_tokens(req, 0) == (0, False)
+    writer.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([5, 6, 7],)), 0)
+    meta = writer.build_connector_meta(sched_output(new=[("a", [5, 6, 7], 0)], tokens={"a": 10}))
+    assert meta.loads == [] and len(meta.saves) == 1
+    save = meta.saves[0]
+    assert save.block_ids == [5, 6] and save.first_index == 0 and len(save.token_hashes) == 2
+    # Decode adds tokens 10, 11: block 2 becomes full; its spec carries its parent's hash first.
+    req.all_token_ids += [10, 11]
+    meta = writer.build_connector_meta(sched_output(cached=[("a", None, 10)], tokens={"a": 2}))
+    (save2,) = meta.saves
+    assert save2.block_ids == [7] and save2.first_index == 2 and save2.token_hashes[0] == save.token_hashes[1]
+    stored = set(save.token_hashes) | {save2.token_hashes[1]}
+
+    # A fresh scheduler (another process) restores those blocks for the same tokens.
+    lk = FakeLookup(stored)
+    reader = role(lk)
+    req2 = FakeRequest("b", list(range(13)))
+    assert reader.get_num_new_matched_tokens(req2, 0) == (3 * BS, False)
+    reader.update_state_after_alloc(req2, SimpleNamespace(get_block_ids=lambda: ([9, 8, 3, 4],)), 3 * BS)
+    meta = reader.build_connector_meta(sched_output(new=[("b", [9, 8, 3, 4], 12)], tokens={"b": 1}))
+    (load,) = meta.loads
+    assert load.block_ids == [9, 8, 3] and load.token_hashes == [*save.token_hashes, save2.token_hashes[1]]
+    assert meta.saves == []  # loaded blocks are never saved again
+
+
+def test_last_token_is_always_computed_and_local_hits_are_skipped() -> None:
+    lk = FakeLookup(set())
+    r = role(lk)
+    req = FakeRequest("a", list(range(8)))  # exactly 2 blocks: only the first may be restored
+    r.get_num_new_matched_tokens(req, 0)
+    assert len(lk.calls[-1]) == 1
+    req2 = FakeRequest("b", list(range(20)))
+    r.get_num_new_matched_tokens(req2, 2 * BS)  # engine's own cache had 2 blocks
+    assert len(lk.calls[-1]) == 2  # asks only for blocks 2 and 3 (block 4 holds the last token)
+
+
+def test_tenant_and_cache_salt_change_every_hash() -> None:
+    def hashes(salt: str, cache_salt: str | None = None) -> list[bytes]:
+        r = role(FakeLookup(set()), tenant_salt=salt)
+        req = FakeRequest("a", list(range(9)), cache_salt=cache_salt)
+        r.get_num_new_matched_tokens(req, 0)
+        return r._reqs["a"].hashes
+
+    base = hashes("t1")
+    assert hashes("t1") == base
+    assert not set(hashes("t2")) & set(base)
+    assert not set(hashes("t1", "user-7")) & set(base)
+
+
+def test_min_prefix_blocks_delays_saves_until_long_enough() -> None:
+    r = role(FakeLookup(set()), min_prefix_blocks=3)
+    req = FakeRequest("a", list(range(9)))
+    r.get_num_new_matched_tokens(req, 0)
+    r.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3],)), 0)
+    assert r.build_connector_meta(sched_output(new=[("a", [1, 2, 3], 0)], tokens={"a": 9})).saves == []
+    req.all_token_ids += [9, 10, 11]
+    (save,) = r.build_connector_meta(sched_output(cached=[("a", None, 9)], tokens={"a": 3})).saves
+    assert save.block_ids == [1, 2, 3] and save.first_index == 0
+
+
+def test_multimodal_requests_are_never_cached() -> None:
+    lk = FakeLookup(set())
+    r = role(lk)
+    req = FakeRequest("a", list(range(20)), mm_features=[object()])
+    assert r.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert lk.calls == []
+
+
+def test_lookup_over_socket_and_in_process() -> None:
+    key = f"test-{uuid.uuid4().hex[:8]}"
+    fn = FakeLookup({b"x" * 16, b"y" * 16}).lookup
+    server = LookupServer(key, fn, authkey=b"k")
+    try:
+        client = LookupClient(key, b"k")
+        assert client.lookup([b"x" * 16, b"y" * 16, b"z" * 16]) == (2, ("host", "host"))
+        client.close()
+        bad = LookupClient(key, b"wrong-key")
+        with pytest.raises(Exception):  # noqa: B017 - authentication failure of any kind
+            bad.lookup([b"x" * 16])
+    finally:
+        server.close()
+    assert LookupClient(key, b"k").lookup([b"x" * 16]) == (0, ())  # nobody answers: a miss
+    register_local(key, fn)
+    try:
+        assert LookupClient(key, b"k").lookup([b"y" * 16]) == (1, ("host",))
+    finally:
+        unregister_local(key)
