@@ -119,7 +119,7 @@ class SchedulerRole:
                 st.block_ids = list(nr.block_ids[0])
                 computed[nr.req_id] = nr.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        resumed = _resumed_ids(cached)
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
             if st is None:
@@ -153,6 +153,18 @@ class SchedulerRole:
 
     def shutdown(self) -> None:
         self._lookup.close()
+
+
+def _resumed_ids(cached: Any) -> set[str]:
+    """Requests resumed from preemption (their block list is replaced, not extended).
+
+    0.32 has ``resumed_req_ids``; older releases a per-request ``resumed_from_preemption`` list.
+    """
+    ids = getattr(cached, "resumed_req_ids", None)
+    if ids is not None:
+        return set(ids)
+    flags = getattr(cached, "resumed_from_preemption", None) or []
+    return {r for r, f in zip(cached.req_ids, flags, strict=False) if f}
 
 
 def with_recompute_policy(kv_transfer_config: Any) -> None:
