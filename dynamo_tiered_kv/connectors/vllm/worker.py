@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ from .metadata import TieredKVMetadata
 from .rendezvous import LookupServer, register_local, unregister_local
 
 log = logging.getLogger(__name__)
+_SERVED_HISTORY = 1024
 
 
 def build_store(config: TieredKVConfig, namespace: Namespace) -> TieredStore:
@@ -75,8 +77,9 @@ class WorkerRole:
         self._server: LookupServer | None = None
         self._load_errors: set[int] = set()
         self._failed_this_step: set[int] = set()
-        #: per request id: tier name of each block restored for it (the demo reports this)
-        self.served: dict[str, list[str]] = {}
+        #: per request id: tier name of each block restored for it (recent requests only; the demo
+        #: and the e2e tests report it)
+        self.served: OrderedDict[str, list[str]] = OrderedDict()
         #: wall seconds spent in loads and in save submissions (the demo reports these)
         self.load_seconds = 0.0
         self.save_seconds = 0.0
@@ -121,6 +124,8 @@ class WorkerRole:
             res = self.store.load(self.layout, spec.block_ids, self.keys_of(spec.token_hashes),
                                   timeout=self.config.load_timeout_s)
             self.served[spec.req_id] = res.tier_per_block
+            if len(self.served) > _SERVED_HISTORY:
+                self.served.popitem(last=False)
             if res.failed_block_ids:
                 log.info("request %s: %d of %d blocks failed to load; vLLM recomputes them", spec.req_id,
                          len(res.failed_block_ids), len(spec.block_ids))
