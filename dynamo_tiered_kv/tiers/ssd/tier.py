@@ -177,6 +177,18 @@ class SSDTier(SegmentSourceMixin, Tier):
             self._tomb_fd = os.open(self.rank_dir / TOMBSTONE_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError as e:
             self._disable(f"cannot use {self.rank_dir}: {e}")
+            self._drop_state()  # a half-recovered index must not serve anything
+
+    def _drop_state(self) -> None:
+        with self._lock:
+            for seg in self._segments.values():
+                if self._io is not None:
+                    with contextlib.suppress(OSError):
+                        self._io.close_fd(seg.fd)
+            self._segments.clear()
+            self._index.clear()
+            self._open = None
+            self._used = 0
 
     def _recover(self) -> None:
         assert self._io is not None
@@ -186,7 +198,7 @@ class SSDTier(SegmentSourceMixin, Tier):
         dead = load_tombstones(self.rank_dir, {r.seq for r in recovered})
         for r in recovered:
             seg = SegmentState(r.seq, r.path, self._io.open(r.path), r.data_bytes, r.size, sealed=True,
-                           flushed=r.flushed, sealed_at=r.sealed_at_ns / 1e9, last_used=self._next_tick())
+                               flushed=r.flushed, sealed_at=r.sealed_at_ns / 1e9, last_used=self._next_tick())
             self._segments[r.seq] = seg
             self._used += r.size
             if r.seal_error and self.readonly_reason is None:
@@ -207,7 +219,7 @@ class SSDTier(SegmentSourceMixin, Tier):
     def _disable(self, reason: str) -> None:
         log.error("SSD tier disabled (no SSD tier): %s", reason)
         self.disabled_reason = reason
-        metrics.DISABLED.set(1)
+        metrics.DISABLED.inc()  # one per disabled tier; close() takes it back
         metrics.DEGRADED.labels("disabled").inc()
 
     async def close(self) -> None:
@@ -219,6 +231,8 @@ class SSDTier(SegmentSourceMixin, Tier):
         if self._opened:
             await asyncio.get_running_loop().run_in_executor(self._writer, self._close_sync)
         self._writer.shutdown(wait=True)
+        if self.disabled_reason is not None:
+            metrics.DISABLED.dec()
         if self._idle_thread is not None:
             self._idle_thread.join(timeout=5)
 
@@ -226,13 +240,7 @@ class SSDTier(SegmentSourceMixin, Tier):
         if self.disabled_reason is None:  # even read-only: the footer may still fit after a failed write
             with contextlib.suppress(TierUnavailable):
                 self._seal_sync()
-        with self._lock:
-            for seg in self._segments.values():
-                if self._io is not None:
-                    self._io.close_fd(seg.fd)
-            self._segments.clear()
-            self._index.clear()
-            self._open = None
+        self._drop_state()
         for fd in (self._tomb_fd, self._lock_fd):
             if fd is not None:
                 os.close(fd)  # closing the lock fd releases the flock
