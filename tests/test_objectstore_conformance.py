@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from infra.s3util import S3Server, unique_bucket
 
 from dynamo_tiered_kv.testing import TierConformanceTests
 from dynamo_tiered_kv.tiers.objectstore import LocalDirBackend, ObjectTier, S3Backend
-from tests.infra.fixtures_s3 import S3Server, ceph_s3, moto_s3, unique_bucket  # noqa: F401
+
+pytest_plugins = ["infra.fixtures_s3"]
 
 
 class TestObjectTierLocalDir(TierConformanceTests):

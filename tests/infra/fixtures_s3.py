@@ -1,7 +1,7 @@
 """Shared S3 fixtures: an in-process moto server (always) and Ceph RGW (marked ``s3``).
 
-Import the fixtures into a test module with ``from tests.infra.fixtures_s3 import *``-style
-explicit imports. Ceph RGW resolution order:
+Use them from a test module with ``pytest_plugins = ["infra.fixtures_s3"]`` (helpers such as
+``S3Server`` and ``unique_bucket`` live in ``infra.s3util``). Ceph RGW resolution order:
 
 1. ``DTKV_S3_ENDPOINT`` (+ ``DTKV_S3_ACCESS_KEY`` / ``DTKV_S3_SECRET_KEY``) set, e.g. by ``.ci/run``;
 2. else, if ``radosgw`` is installed, ``tests/infra/ceph_rgw.sh`` starts a cluster for the session;
@@ -14,34 +14,14 @@ import os
 import shutil
 import subprocess
 import tempfile
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from .s3util import S3Server
+
 CEPH_SCRIPT = Path(__file__).with_name("ceph_rgw.sh")
-
-
-@dataclass(frozen=True)
-class S3Server:
-    endpoint: str
-    access_key: str
-    secret_key: str
-    kind: str  # "moto" or "ceph"
-
-    def backend_kwargs(self, **extra: object) -> dict[str, object]:
-        return {"endpoint_url": self.endpoint, "access_key": self.access_key,
-                "secret_key": self.secret_key, "create_bucket": True, **extra}
-
-    def env(self) -> dict[str, str]:
-        return {"DTKV_S3_ENDPOINT": self.endpoint, "DTKV_S3_ACCESS_KEY": self.access_key,
-                "DTKV_S3_SECRET_KEY": self.secret_key}
-
-
-def unique_bucket(tag: str = "t") -> str:
-    return f"dtkv-{tag}-{uuid.uuid4().hex[:12]}"
 
 
 @pytest.fixture(scope="session")

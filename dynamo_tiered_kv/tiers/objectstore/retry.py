@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -101,8 +102,26 @@ class CircuitBreaker:
             self._probing = False
 
 
-class Retryable(Exception):
-    """Raised by an attempt to request a retry; ``__cause__`` holds the original error."""
+async def with_timeout(aw: Awaitable[T], seconds: float) -> T:
+    """``await aw`` for at most ``seconds`` (raises ``TimeoutError``).
+
+    Uses ``asyncio.timeout`` where available: Python 3.11's ``wait_for`` can swallow a
+    cancellation that races with completion, which would make shutdown hang.
+    """
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await aw
+    return await asyncio.wait_for(aw, seconds)  # pragma: no cover - Python 3.10
+
+
+async def wait_event(event: asyncio.Event, seconds: float) -> bool:
+    """Wait for ``event`` up to ``seconds``; True if it is set. Cancellation always propagates."""
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter}, timeout=seconds)
+    finally:
+        waiter.cancel()
+    return event.is_set()
 
 
 async def call_with_retries(attempt: Callable[[], Awaitable[T]], *, policy: RetryPolicy,
@@ -120,7 +139,7 @@ async def call_with_retries(attempt: Callable[[], Awaitable[T]], *, policy: Retr
     last: BaseException | None = None
     for n in range(policy.max_attempts):
         try:
-            result = await asyncio.wait_for(attempt(), timeout=policy.attempt_timeout_s)
+            result = await with_timeout(attempt(), policy.attempt_timeout_s)
         except asyncio.CancelledError:
             if probe:
                 breaker.on_failure(True)

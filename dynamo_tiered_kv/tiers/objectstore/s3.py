@@ -39,7 +39,7 @@ from botocore.exceptions import (
 
 from ...errors import ConfigError
 from .backend import FileSource, ObjectBackend, ObjectInfo, Scatter, Source, source_len
-from .retry import CircuitBreaker, RetryPolicy, call_with_retries
+from .retry import CircuitBreaker, RetryPolicy, call_with_retries, with_timeout
 
 log = logging.getLogger(__name__)
 
@@ -296,9 +296,9 @@ class S3Backend(ObjectBackend):
 
     async def _abort(self, key: str, upload_id: str) -> None:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(
+            await with_timeout(
                 self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id),
-                timeout=self.retry.attempt_timeout_s)
+                self.retry.attempt_timeout_s)
 
     # --- reads --------------------------------------------------------------------------------
     async def get_range(self, name: str, offset: int, dests: Sequence[memoryview]) -> int | None:

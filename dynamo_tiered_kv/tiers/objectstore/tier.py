@@ -34,6 +34,7 @@ from ..base import ByteRange, ReadRequest, Tier, TierCapabilities, TierUsage, ch
 from ..segments import SealedSegment, SegmentEntry
 from .backend import FileSource, ObjectBackend
 from .manifest import MANIFEST_DIR, Manifest, ManifestError, content_digest, data_name
+from .retry import with_timeout
 
 log = logging.getLogger(__name__)
 
@@ -268,9 +269,9 @@ class ObjectTier(Tier):
         if not runs:
             return results
         try:
-            await asyncio.wait_for(asyncio.gather(*(self._read_run(o, run, results) for o, run in runs)),
-                                   timeout=self.read_timeout_s)
-        except asyncio.TimeoutError:
+            await with_timeout(asyncio.gather(*(self._read_run(o, run, results) for o, run in runs)),
+                               self.read_timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
             raise TierUnavailable(f"object tier read timed out after {self.read_timeout_s}s") from None
         return results
 
