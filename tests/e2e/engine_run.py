@@ -124,7 +124,13 @@ def main(spec_path: str, out_path: str) -> None:
     with open(out_path, "w") as f:
         json.dump({"rounds": rounds}, f)
     if conn is not None:
-        conn.shutdown()  # drain offloads and close the tiers before the process exits
+        conn.shutdown()  # drain offloads, seal and flush, close the tiers
+    if not spec.get("multiprocess"):
+        # Everything is persisted; skip vLLM's few seconds of interpreter-exit teardown (in-process
+        # engine only: a multiprocess engine's children must be shut down by vLLM).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
