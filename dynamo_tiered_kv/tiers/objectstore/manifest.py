@@ -33,6 +33,7 @@ from ..segments import SegmentEntry
 MANIFEST_VERSION = 1
 DATA_DIR = "data/"
 MANIFEST_DIR = "manifests/"
+TOMBSTONE_DIR = "tombstones/"  # gc: "this data object lost its last manifest at <mtime>"
 _SAMPLE = 4096
 _ENTRY = struct.Struct("<16sQQ")
 
@@ -56,6 +57,10 @@ def content_digest(size: int, entries: Sequence[SegmentEntry], sample: Callable[
 
 def data_name(digest: str) -> str:
     return f"{DATA_DIR}{digest}.seg"
+
+
+def tombstone_name(data: str) -> str:
+    return f"{TOMBSTONE_DIR}{digest_of(data)}"
 
 
 def digest_of(name: str) -> str:
