@@ -3,7 +3,9 @@
 Contract (docs/SSD.md): after recovery every acknowledged write reads back byte-identical and
 verified, every acknowledged delete stays deleted, only the operation in flight at the kill may
 or may not have happened, no partial record is ever visible, and the tier accepts new writes.
-Trials are chained per directory, so recovery also runs over state left by earlier recoveries.
+Trials are chained per directory, so recovery also runs over state left by earlier recoveries;
+half the chains run with a small capacity, so segments are evicted while the writer runs (an
+evicted key may be absent, but a present key must never hold an outdated or deleted value).
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ def forkserver():
     return ctx
 
 
-async def _check(root: Path, base: dict, journal: str) -> dict:
+async def _check(root: Path, base: dict, journal: str, capacity: int) -> dict:
     """Recover ``root`` and check it against the journal; return the observed state."""
     exp = replay_journal(journal, base)
-    tier = SSDTier(root, capacity_bytes=1 << 40, segment_bytes=128 << 10, idle_seal_s=None)
+    evictions = capacity < 1 << 40
+    tier = SSDTier(root, capacity_bytes=capacity, segment_bytes=128 << 10, idle_seal_s=None)
     await tier.open()
     try:
         assert tier.available, tier.disabled_reason
@@ -44,7 +47,7 @@ async def _check(root: Path, base: dict, journal: str) -> dict:
         present = set(tier.keys())
         for i in range(KEY_SPACE):
             key = key_of(i)
-            allowed = exp.allowed(i)
+            allowed = exp.allowed(i, evictions)
             if key not in present:
                 assert None in allowed, f"acknowledged key {i} ({allowed[0]}) lost"
                 observed[i] = None
@@ -74,11 +77,13 @@ def test_sigkill_torture(tmp_path: Path, forkserver) -> None:
     for chain in range(CHAINS):
         root = tmp_path / f"chain{chain}"
         io = ("auto", "odirect", "buffered")[chain % 3]
+        capacity = 1 << 40 if chain % 2 == 0 else 640 << 10  # odd chains evict while they write
         state: dict = {}
         for gen in range(GENERATIONS):
             journal = tmp_path / f"journal-{chain}-{gen}"
             p = forkserver.Process(target=writer_main,
-                                   args=(str(root), str(journal), rng.getrandbits(32), gen + 1, 128 << 10, io))
+                                   args=(str(root), str(journal), rng.getrandbits(32), gen + 1, 128 << 10, io,
+                                         capacity))
             p.start()
             time.sleep(rng.uniform(0.0, 0.5) if gen else rng.uniform(0.2, 0.6))
             os.kill(p.pid, signal.SIGKILL)
@@ -86,5 +91,5 @@ def test_sigkill_torture(tmp_path: Path, forkserver) -> None:
             assert p.exitcode == -signal.SIGKILL, "the writer died before it was killed"
             text = journal.read_text() if journal.exists() else ""
             kills_with_acks += "\nA\n" in "\n" + text
-            state = asyncio.run(_check(root, state, text))
+            state = asyncio.run(_check(root, state, text, capacity))
     assert kills_with_acks >= CHAINS * GENERATIONS // 2, "most kills should land after some acknowledged work"

@@ -125,6 +125,7 @@ class SSDTier(SegmentSourceMixin, Tier):
         self._tomb_fd: int | None = None
         self._write_bounce: np.ndarray | None = None
         self._read_bounces: list[np.ndarray] = []
+        self._superseded_at_recovery: list[tuple[int, int, bytes]] = []
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"dtkv-ssd{rank}")
         self._stop = threading.Event()
         self._idle_thread: threading.Thread | None = None
@@ -175,6 +176,9 @@ class SSDTier(SegmentSourceMixin, Tier):
             self.gds = gds_verdict()
             self._recover()
             self._tomb_fd = os.open(self.rank_dir / TOMBSTONE_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            if self._superseded_at_recovery:
+                self._append_tombstones(self._superseded_at_recovery)
+                self._superseded_at_recovery = []
         except OSError as e:
             self._disable(f"cannot use {self.rank_dir}: {e}")
             self._drop_state()  # a half-recovered index must not serve anything
@@ -196,6 +200,7 @@ class SSDTier(SegmentSourceMixin, Tier):
         self._next_seq = seen[-1][0] + 1 if seen else 1  # never reuse a seq, even of a removed file
         recovered = recover_segments(self.rank_dir, self.rank)
         dead = load_tombstones(self.rank_dir, {r.seq for r in recovered})
+        superseded: list[tuple[int, int, bytes]] = []
         for r in recovered:
             seg = SegmentState(r.seq, r.path, self._io.open(r.path), r.data_bytes, r.size, sealed=True,
                                flushed=r.flushed, sealed_at=r.sealed_at_ns / 1e9, last_used=self._next_tick())
@@ -211,7 +216,10 @@ class SSDTier(SegmentSourceMixin, Tier):
                 if (r.seq, off) in dead:
                     self._index.pop(key)
                 else:
-                    self._index.put(key, r.seq, off, length)
+                    old = self._index.put(key, r.seq, off, length)
+                    if old is not None:  # a crash beat the overwrite's tombstone: write it now,
+                        superseded.append((old[0], old[1], key))  # or evicting the new copy revives this one
+        self._superseded_at_recovery = superseded
         metrics.USED_BYTES.set(self._used)
         log.info("SSD tier %s: recovered %d segments, %d blocks, %d bytes; io=%s", self.rank_dir,
                  len(recovered), len(self._index), self._used, self.io_path)

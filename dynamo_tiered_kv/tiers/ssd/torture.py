@@ -29,16 +29,18 @@ def record_of(i: int, ver: int, size: int) -> bytes:
     return make_record(key_of(i), ver * 1009 + i, shape=SHAPES[size % len(SHAPES)])
 
 
-def writer_main(root: str, journal: str, seed: int, generation: int, segment_bytes: int, io: str) -> None:
-    """Run random operations forever (until killed)."""
-    asyncio.run(_writer(root, journal, seed, generation, segment_bytes, io))
+def writer_main(root: str, journal: str, seed: int, generation: int, segment_bytes: int, io: str,
+                capacity_bytes: int = 1 << 40) -> None:
+    """Run random operations forever (until killed). A small capacity adds evictions."""
+    asyncio.run(_writer(root, journal, seed, generation, segment_bytes, io, capacity_bytes))
 
 
-async def _writer(root: str, journal: str, seed: int, generation: int, segment_bytes: int, io: str) -> None:
+async def _writer(root: str, journal: str, seed: int, generation: int, segment_bytes: int, io: str,
+                  capacity_bytes: int) -> None:
     from .tier import SSDTier
 
     rng = random.Random(seed)
-    tier = SSDTier(root, capacity_bytes=1 << 40, segment_bytes=segment_bytes, io=io, idle_seal_s=None)
+    tier = SSDTier(root, capacity_bytes=capacity_bytes, segment_bytes=segment_bytes, io=io, idle_seal_s=None)
     await tier.open()
     assert tier.available, tier.disabled_reason
     jfd = os.open(journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -69,9 +71,9 @@ class Expected:
     state: dict[int, tuple[int, int] | None] = field(default_factory=dict)
     pending: list[tuple[int, tuple[int, int] | None]] = field(default_factory=list)
 
-    def allowed(self, i: int) -> list[tuple[int, int] | None]:
-        """Values key ``i`` may hold after recovery (None: absent)."""
-        out = [self.state.get(i)]
+    def allowed(self, i: int, evictions: bool = False) -> list[tuple[int, int] | None]:
+        """Values key ``i`` may hold after recovery (None: absent, always allowed with evictions)."""
+        out = [self.state.get(i)] + ([None] if evictions else [])
         value = self.state.get(i)
         for j, v in self.pending:  # the in-flight batch may have landed up to any prefix of it
             if j == i:
