@@ -334,20 +334,37 @@ def test_connector_class_exists_in_package() -> None:
     pytest.fail(f"{module} neither defines nor imports {name}")
 
 
-def test_gc_command_line_parses() -> None:
-    """`dtkv gc` (plus the ci gc.extraArgs) is a real subcommand of the package CLI."""
+def test_gc_command_line_parses(case) -> None:
+    """The CronJob's exact command line is accepted by the package's `dtkv gc` and names the store,
+    endpoint and retention the workers use; the S3 keys reach it as the DTKV_S3_* env it reads."""
     from dynamo_tiered_kv.cli import build_parser
 
-    parser = build_parser()
-    for values in CI_VALUES:
-        gc = (yaml.safe_load(values.read_text()).get("gc") or {})
-        if gc.get("enabled"):
-            try:
-                args = parser.parse_args(["gc", *gc.get("extraArgs", [])])
-            except SystemExit:
-                pytest.fail(f"`dtkv gc {' '.join(gc.get('extraArgs', []))}` ({values.name}) is not accepted "
-                            "by the dtkv CLI (dynamo_tiered_kv/commands/gc.py)")
-            assert args.command == "gc" and callable(args.func)
+    values, docs = case
+    jobs = [d for d in docs if d["kind"] == "CronJob"]
+    if not jobs:
+        pytest.skip("gc disabled in this variant")
+    (c,) = jobs[0]["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]
+    assert c["command"][0] == "dtkv"
+    line = [*c["command"][1:], *c.get("args", [])]
+    try:
+        args = build_parser().parse_args(line)
+    except SystemExit:
+        pytest.fail(f"`dtkv {' '.join(line)}` is not accepted by the dtkv CLI (dynamo_tiered_kv/commands/gc.py)")
+    assert args.command == "gc" and callable(args.func)
+    tiered = values["tieredKV"]
+    assert args.target == tiered["object_url"]
+    assert args.endpoint == tiered.get("s3_endpoint_url")
+    ttl = tiered.get("object_ttl_s")
+    assert args.ttl == (ttl if ttl is not None else TieredKVConfig().object_ttl_s)  # same default as the config
+    env = _env_map(c)
+    secret = values["secret"]
+    secret_name = "t-dynamo-tiered-kv" if secret.get("create", True) else secret["existingSecret"]
+    keys = {"s3AccessKey": "s3-access-key", "s3SecretKey": "s3-secret-key", **secret.get("keys", {})}
+    for var, key in (("DTKV_S3_ACCESS_KEY", "s3AccessKey"), ("DTKV_S3_SECRET_KEY", "s3SecretKey")):
+        ref = env[var]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"], ref.get("optional")) == (secret_name, keys[key], True)
+    if tiered.get("s3_region"):
+        assert env["DTKV_S3_REGION"]["value"] == tiered["s3_region"]
 
 
 def test_schema_mirrors_config_fields() -> None:

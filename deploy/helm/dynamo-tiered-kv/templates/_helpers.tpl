@@ -302,6 +302,48 @@ checksum/secret: {{ include (print $.Template.BasePath "/secret.yaml") . | sha25
 {{- end }}
 {{- end -}}
 
+{{/* ---------------------------------------------------------------- GC job */}}
+
+{{/*
+`dtkv gc TARGET [--endpoint URL] [--ttl SECONDS] [gc.extraArgs...]`: the CLI takes the object
+store as a positional argument and its retention as --ttl (its default, 14d, is the config's
+object_ttl_s default), not from the config file.
+*/}}
+{{- define "dtkv.gcArgs" -}}
+{{- $kv := .Values.tieredKV -}}
+{{- $args := list (required "gc.enabled needs tieredKV.object_url" $kv.object_url) -}}
+{{- with $kv.s3_endpoint_url -}}{{- $args = concat $args (list "--endpoint" .) -}}{{- end -}}
+{{- if not (kindIs "invalid" $kv.object_ttl_s) -}}
+{{- $ttl := $kv.object_ttl_s -}}
+{{- $text := printf "%.3f" (float64 $ttl) -}}
+{{- if eq (float64 $ttl) (float64 (int64 $ttl)) -}}{{- $text = toString (int64 $ttl) -}}{{- end -}}
+{{- $args = concat $args (list "--ttl" $text) -}}
+{{- end -}}
+{{- $args = concat $args .Values.gc.extraArgs -}}
+{{- toYaml $args -}}
+{{- end -}}
+
+{{/* S3 settings `dtkv gc` reads from DTKV_S3_* (the store reads DYN_TIERED_KV_*). */}}
+{{- define "dtkv.gcS3Env" -}}
+{{- $name := include "dtkv.secretName" . -}}
+- name: DTKV_S3_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $name }}
+      key: {{ .Values.secret.keys.s3AccessKey }}
+      optional: true
+- name: DTKV_S3_SECRET_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $name }}
+      key: {{ .Values.secret.keys.s3SecretKey }}
+      optional: true
+{{- with .Values.tieredKV.s3_region }}
+- name: DTKV_S3_REGION
+  value: {{ . | quote }}
+{{- end }}
+{{- end -}}
+
 {{/* ---------------------------------------------------------------- checks */}}
 
 {{/* Cross-field checks the JSON schema cannot express; fail at render time, not at 3 a.m. */}}
