@@ -86,6 +86,8 @@ def main(spec_path: str, out_path: str) -> None:
             "kv_role": "kv_both",
             "kv_connector_extra_config": spec["extra_config"],
         }
+    if spec.get("kv_events"):
+        kw["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "null"}
     if spec.get("multiprocess"):
         kw["distributed_executor_backend"] = "mp"  # worker in its own process: lookups go over the socket
     llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=4096, enforce_eager=True, seed=0,
@@ -93,6 +95,11 @@ def main(spec_path: str, out_path: str) -> None:
               max_num_batched_tokens=4096, **kw)
     sp = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0)
     conn = _connector(llm)
+    published: list = []
+    if spec.get("kv_events"):  # record what the scheduler publishes (in-process engine only)
+        sched = llm.llm_engine.engine_core.engine_core.scheduler
+        orig = sched.kv_event_publisher.publish
+        sched.kv_event_publisher.publish = lambda batch: (published.extend(batch.events), orig(batch))
     rounds = []
     for r in spec.get("rounds", [{}]):
         if r.get("wait_for_file"):
@@ -118,7 +125,10 @@ def main(spec_path: str, out_path: str) -> None:
             "served": dict(conn.worker.served) if conn is not None and conn.worker is not None else {},
             "metrics": _snapshot(conn),
             "seconds": seconds,
+            "dtkv_events": [{"blocks": len(e.block_hashes), "tokens": len(e.token_ids), "medium": e.medium}
+                            for e in published if getattr(e, "medium", None) == "dtkv"],
         })
+        published.clear()
         if r.get("touch_after"):
             Path(r["touch_after"]).write_text(json.dumps(rounds[-1]))
     with open(out_path, "w") as f:

@@ -30,9 +30,10 @@ EXPECT_CACHED = [9 * BS, 6 * BS]
 
 
 def run_phase(tmp: Path, name: str, extra_config: dict | None, *, rounds: list[dict] | None = None,
-              prompts: list[list[int]] = PROMPTS, env: dict | None = None, multiprocess: bool = False) -> list[dict]:
+              prompts: list[list[int]] = PROMPTS, env: dict | None = None, multiprocess: bool = False,
+              kv_events: bool = False) -> list[dict]:
     spec = {"model": str(MODEL_DIR), "extra_config": extra_config, "prompts": prompts, "max_tokens": 8,
-            "block_size": BS, "rounds": rounds or [{}], "multiprocess": multiprocess}
+            "block_size": BS, "rounds": rounds or [{}], "multiprocess": multiprocess, "kv_events": kv_events}
     spec_path, out_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", "HF_HUB_OFFLINE": "1",
@@ -57,7 +58,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     cfg = {"host_capacity_bytes": 256 << 20, "ssd_dir": str(root / "ssd"), "ssd_capacity_bytes": 1 << 30,
            "ssd_segment_bytes": 8 << 20, "object_url": f"file://{root / 'objects'}",
            "staging_slab_bytes": 4 << 20, "staging_slabs": 4}
-    rounds = run_phase(root, "store", cfg, rounds=[{}, {"reset_prefix_cache": True}])
+    rounds = run_phase(root, "store", cfg, rounds=[{}, {"reset_prefix_cache": True}], kv_events=True)
     shutil.copytree(root / "ssd", root / "ssd-pristine")  # later tests wipe or damage copies
     return {"root": root, "cfg": cfg, "store": rounds[0], "host": rounds[1]}
 
@@ -74,6 +75,13 @@ def test_store_then_restore_from_host_tier(world: dict) -> None:
     assert host["num_cached_tokens"] == EXPECT_CACHED
     assert _hits(host, "host") == 15
     assert all(set(tiers) == {"host"} for tiers in host["served"].values())
+
+
+def test_kv_events_announce_stored_blocks(world: dict) -> None:
+    events = world["store"]["dtkv_events"]
+    assert sum(e["blocks"] for e in events) == 15  # every stored block announced once
+    assert all(e["tokens"] == e["blocks"] * BS for e in events)
+    assert world["host"]["dtkv_events"] == []  # restored blocks are not stored again
 
 
 def test_restore_from_ssd_in_fresh_process(world: dict) -> None:

@@ -56,8 +56,10 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._worker: WorkerRole | None = None
         if role == KVConnectorRole.SCHEDULER:
             with_recompute_policy(ktc)
+            kec = getattr(vllm_config, "kv_events_config", None)
             self._scheduler = SchedulerRole(self.config, model_id=model_id, block_size=block_size,
-                                            lookup=LookupClient(key, authkey))
+                                            lookup=LookupClient(key, authkey),
+                                            kv_events=bool(kec is not None and kec.enable_kv_cache_events))
         else:
             mc = vllm_config.model_config
             tp_rank = _tp_rank()
@@ -90,6 +92,9 @@ class TieredKVConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
 
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        return self._worker.take_kv_events() if self._worker is not None else None
+
     def _meta(self) -> TieredKVMetadata:
         meta = self._get_connector_metadata()
         assert isinstance(meta, TieredKVMetadata)
@@ -107,6 +112,13 @@ class TieredKVConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def take_events(self) -> Any:
+        return self._scheduler.take_events() if self._scheduler is not None else []
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is None:

@@ -39,6 +39,7 @@ class SaveSpec:
     block_ids: list[int]
     token_hashes: list[bytes]
     first_index: int
+    token_ids: list[int] | None = None  # the blocks' tokens, only when KV events are enabled
 
 
 @dataclass

@@ -48,7 +48,8 @@ class _Req:
 
 
 class SchedulerRole:
-    def __init__(self, config: TieredKVConfig, *, model_id: str, block_size: int, lookup: LookupClient) -> None:
+    def __init__(self, config: TieredKVConfig, *, model_id: str, block_size: int, lookup: LookupClient,
+                 kv_events: bool = False) -> None:
         self.config = config
         self.block_size = block_size
         self.model_id = model_id
@@ -56,6 +57,8 @@ class SchedulerRole:
         self._lookup = lookup
         self._reqs: dict[str, _Req] = {}
         self.min_prefix_blocks = config.min_prefix_blocks
+        self.kv_events = kv_events
+        self._events = None  # TieredKVEvents merged from the workers' outputs
 
     def _state(self, request: Any) -> _Req:
         st = self._reqs.get(request.request_id)
@@ -142,9 +145,29 @@ class SchedulerRole:
                 continue
             start = st.saved
             hashes = st.hashes_upto(full)
-            meta.saves.append(SaveSpec(req_id, st.block_ids[start:full], hashes[max(0, start - 1):full], start))
+            tokens = list(st.request.all_token_ids[start * bs:full * bs]) if self.kv_events else None
+            meta.saves.append(SaveSpec(req_id, st.block_ids[start:full], hashes[max(0, start - 1):full], start,
+                                       tokens))
             st.saved = full
         return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        events = getattr(connector_output, "kv_cache_events", None)
+        if events is None or type(events).__name__ != "TieredKVEvents":
+            return
+        if self._events is None:
+            self._events = events
+        else:
+            self._events.add_events(events.get_all_events())
+            self._events.increment_workers(events.get_number_of_workers())
+
+    def take_events(self) -> list[Any]:
+        """BlockStored events every worker reported since the last call."""
+        if self._events is None:
+            return []
+        out = self._events.aggregate().get_all_events()
+        self._events = None
+        return out
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves were copied to staging inside the steps that computed them (see module docstring).

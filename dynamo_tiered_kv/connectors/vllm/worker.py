@@ -76,6 +76,7 @@ class WorkerRole:
         self.namespace: Namespace | None = None
         self._server: LookupServer | None = None
         self._load_errors: set[int] = set()
+        self._events: list[Any] = []
         self._failed_this_step: set[int] = set()
         #: per request id: tier name of each block restored for it (recent requests only; the demo
         #: and the e2e tests report it)
@@ -151,9 +152,29 @@ class WorkerRole:
                 ids.append(b)
                 ks.append(k)
                 ps.append(p)
-            if ids:
-                self.store.submit_offload(self.layout, ids, ks, ps, first_index=spec.first_index)
+            if ids and self.store.submit_offload(self.layout, ids, ks, ps, first_index=spec.first_index) \
+                    and spec.token_ids is not None:
+                self._note_stored(spec, len(ids))
         self.save_seconds += time.perf_counter() - t0
+
+    def _note_stored(self, spec: Any, n: int) -> None:
+        from .events import block_stored
+
+        own = spec.token_hashes[1:] if spec.first_index > 0 else spec.token_hashes
+        parent = spec.token_hashes[0] if spec.first_index > 0 else None
+        tokens = spec.token_ids[:n * self.block_size]
+        self._events.append(block_stored(own[:n], parent, tokens, self.block_size))
+
+    def take_kv_events(self) -> Any:
+        """Events for blocks accepted since the last call, as vLLM's ``KVConnectorKVEvents``."""
+        if not self._events:
+            return None
+        from .events import TieredKVEvents
+
+        out = TieredKVEvents(num_workers=1)
+        out.add_events(self._events)
+        self._events = []
+        return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
