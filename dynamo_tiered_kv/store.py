@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from .codec import decode_block, encode_blocks, record_bytes
-from .errors import RecordError, TierFull, TierUnavailable
+from .codec import decode_blocks, encode_blocks, record_bytes
+from .errors import TierFull, TierUnavailable
 from .keys import BlockKey, Namespace
 from .layout import EngineLayout
 from .metrics import StoreMetrics
@@ -463,13 +463,17 @@ class TieredStore:
                 break
             promote: list[tuple[int, BlockKey, list[int]]] = []
             ok = 0
-            for j, src in enumerate(sources):
-                if src is None:
-                    break
+            n_read = next((j for j, src in enumerate(sources) if src is None), len(sources))
+            # One batched verify+scatter of everything read; blocks after a failure are reported
+            # failed below whatever their own status (the engine recomputes from the first one).
+            errors = decode_blocks(slab.array[:n_read * rb], layout, block_ids[start:start + n_read],
+                                   namespace=self._ns_digest, keys=keys[start:start + n_read]) if n_read else []
+            for j in range(n_read):
+                src = sources[j]
+                assert src is not None
                 b, k = block_ids[start + j], keys[start + j]
-                try:
-                    decode_block(slab.array[j * rb:(j + 1) * rb], layout, b, namespace=self._ns_digest, key=k)
-                except RecordError as e:
+                e = errors[j]
+                if e is not None:
                     tier = self.tiers[src]
                     log.warning("block %s from tier %s failed verification (%s); recomputing",
                                 k.hex(), tier.name, e)
