@@ -65,10 +65,11 @@ class FaultProxy:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
-        self.sever()
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.sever()  # handlers see their sockets close and finish on their own
+        if self._tasks:
+            _done, stuck = await asyncio.wait(set(self._tasks), timeout=2)
+            for t in stuck:
+                t.cancel()
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2)
