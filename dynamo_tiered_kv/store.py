@@ -25,10 +25,11 @@ thread, reusing the slab they were read into.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -140,6 +141,23 @@ class _Handoff:
         self.done = False
 
 
+def _check_block_ids(layout: EngineLayout, block_ids: Sequence[int]) -> None:
+    """The compiled gather/scatter does not bounds-check: refuse bad ids before any copy."""
+    if block_ids and (min(block_ids) < 0 or max(block_ids) >= layout.num_blocks):
+        raise ValueError(f"block ids must be in [0, {layout.num_blocks}), got {min(block_ids)}..{max(block_ids)}")
+
+
+@dataclass
+class _Read:
+    """One chunk of a load in flight on the loop."""
+
+    start: int
+    end: int
+    slab: Slab
+    fut: concurrent.futures.Future
+    hand: _Handoff
+
+
 class TieredStore:
     """Tiered KV block store with a synchronous, never-blocking engine facade.
 
@@ -155,6 +173,7 @@ class TieredStore:
         background: long-running tasks started on the loop and stopped on ``close``.
         metrics_port: serve Prometheus metrics on this port (None = off, 0 = any free port).
         close_flush_timeout_s: how long ``close`` lets write-back (SSD -> objects) finish.
+        load_chunk_bytes: a load reads and verifies in chunks of about this size, overlapped.
     """
 
     def __init__(self, tiers: Sequence[Tier], namespace: Namespace, staging: StagingPool, *,
@@ -162,7 +181,7 @@ class TieredStore:
                  max_pending_offloads: int = 64, write_depth: int = 2,
                  ttl_s: Sequence[float | None] | None = None, background: Sequence[Background] = (),
                  metrics_port: int | None = None, sweep_interval_s: float = 5.0,
-                 close_flush_timeout_s: float = 30.0) -> None:
+                 close_flush_timeout_s: float = 30.0, load_chunk_bytes: int = 8 << 20) -> None:
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")
         self.tiers = list(tiers)
@@ -183,6 +202,7 @@ class TieredStore:
         self._closed = False
         self._sweep_interval_s = sweep_interval_s
         self._close_flush_timeout_s = close_flush_timeout_s
+        self.load_chunk_bytes = load_chunk_bytes
         self._background = list(background)
         self._bg_tasks: list[asyncio.Task] = []
         self._tasks: set[asyncio.Task] = set()
@@ -307,6 +327,7 @@ class TieredStore:
         """
         if not (len(block_ids) == len(keys) == len(parents)):
             raise ValueError("block_ids, keys and parents must have the same length")
+        _check_block_ids(layout, block_ids)
         if self._closed:
             self.metrics.offload_dropped.labels("closed").inc()
             return False
@@ -443,80 +464,127 @@ class TieredStore:
         Returns which blocks were restored and which the engine must recompute. Never raises for
         a tier fault, a missing or corrupt record, or a timeout: those blocks (and every block
         after the first of them) are reported failed.
+
+        The request is cut into chunks of about ``load_chunk_bytes``; the loop reads chunk k+1
+        into a second slab while this thread verifies and scatters chunk k (double buffering).
         """
         if len(block_ids) != len(keys):
             raise ValueError("block_ids and keys must have the same length")
+        _check_block_ids(layout, block_ids)
         res = LoadResult()
         n = len(block_ids)
         deadline = None if timeout is None else time.monotonic() + timeout
         rb = record_bytes(layout.shape)
-        per_slab = self.staging.slab_bytes // rb
-        i = 0
-        while i < n and per_slab > 0 and not self._closed:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            slab = self.staging.try_acquire(remaining)
+        per_chunk = min(self.staging.slab_bytes // rb, max(1, self.load_chunk_bytes // rb))
+        inflight: deque[_Read] = deque()
+        next_i = 0
+
+        def remaining() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        def start(wait: float | None) -> bool:
+            nonlocal next_i
+            slab = self.staging.try_acquire(wait)
             if slab is None:
-                break
-            start, end = i, min(n, i + per_slab)
-            sources = self._read_chunk(slab, rb, keys[start:end], remaining)
-            if sources is None:  # timed out; the reader frees the slab
-                break
-            promote: list[tuple[int, BlockKey, list[int]]] = []
-            ok = 0
-            n_read = next((j for j, src in enumerate(sources) if src is None), len(sources))
-            # One batched verify+scatter of everything read; blocks after a failure are reported
-            # failed below whatever their own status (the engine recomputes from the first one).
-            errors = decode_blocks(slab.array[:n_read * rb], layout, block_ids[start:start + n_read],
-                                   namespace=self._ns_digest, keys=keys[start:start + n_read]) if n_read else []
-            for j in range(n_read):
-                src = sources[j]
-                assert src is not None
-                b, k = block_ids[start + j], keys[start + j]
-                e = errors[j]
-                if e is not None:
-                    tier = self.tiers[src]
-                    log.warning("block %s from tier %s failed verification (%s); recomputing",
-                                k.hex(), tier.name, e)
-                    self.metrics.checksum_failures.labels(tier.name).inc()
-                    self.metrics.misses.labels(tier.name).inc()
-                    self._schedule(self._forget(src, k))
+                return False
+            end = min(n, next_i + per_chunk)
+            inflight.append(self._start_read(slab, rb, next_i, end, keys[next_i:end]))
+            next_i = end
+            return True
+
+        try:
+            while per_chunk > 0 and not self._closed:
+                if not inflight and (next_i >= n or not start(remaining())):
                     break
-                self.metrics.hits.labels(self.tiers[src].name).inc()
-                res.loaded_block_ids.append(b)
-                res.tier_per_block.append(self.tiers[src].name)
-                ok += 1
-                seen = self.admission.sight(k)
-                targets = [ti for ti in range(self.write_depth)
-                           if ti != src and not self.tiers[ti].contains(k) and self.admission.admits(ti, seen)]
-                if targets:
-                    promote.append((j, k, targets))
-            if promote:
-                self._schedule(self._write_slab(slab, rb, promote))
-            else:
-                self.staging.release(slab)
-            i += ok
-            if ok < end - start:
-                break
+                if next_i < n and len(inflight) < 2:
+                    start(0)  # prefetch only if a slab is free right now
+                rd = inflight.popleft()
+                sources = self._finish_read(rd, remaining())
+                if sources is None:  # timed out; the reader frees the slab
+                    break
+                ok = self._decode_chunk(layout, rd, sources, block_ids, keys, rb, res)
+                if ok < rd.end - rd.start:
+                    break
+        finally:
+            while inflight:  # a failure stopped us: later chunks are not needed
+                self._abandon(inflight.popleft())
         res.failed_block_ids = list(block_ids[len(res.loaded_block_ids):])
         if res.failed_block_ids:
             self.metrics.load_failed_blocks.inc(len(res.failed_block_ids))
         return res
 
-    def _read_chunk(self, slab: Slab, rb: int, keys: Sequence[BlockKey],
-                    timeout: float | None) -> list[int | None] | None:
-        """Read ``keys`` into the slab on the loop. Returns each block's source tier (None from the
-        first unreadable block on), or None on timeout (the slab is then released by the reader)."""
+    def _decode_chunk(self, layout: EngineLayout, rd: _Read, sources: list[int | None],
+                      block_ids: Sequence[int], keys: Sequence[BlockKey], rb: int, res: LoadResult) -> int:
+        """Verify+scatter one read chunk; hand its slab on (promotion) or free it. Returns #restored."""
+        start, slab = rd.start, rd.slab
+        promote: list[tuple[int, BlockKey, list[int]]] = []
+        ok = 0
+        n_read = next((j for j, src in enumerate(sources) if src is None), len(sources))
+        # One batched verify+scatter of everything read; blocks after a failure are reported
+        # failed below whatever their own status (the engine recomputes from the first one).
+        errors = decode_blocks(slab.array[:n_read * rb], layout, block_ids[start:start + n_read],
+                               namespace=self._ns_digest, keys=keys[start:start + n_read]) if n_read else []
+        for j in range(n_read):
+            src = sources[j]
+            assert src is not None
+            b, k = block_ids[start + j], keys[start + j]
+            e = errors[j]
+            if e is not None:
+                tier = self.tiers[src]
+                log.warning("block %s from tier %s failed verification (%s); recomputing", k.hex(), tier.name, e)
+                self.metrics.checksum_failures.labels(tier.name).inc()
+                self.metrics.misses.labels(tier.name).inc()
+                self._schedule(self._forget(src, k))
+                break
+            self.metrics.hits.labels(self.tiers[src].name).inc()
+            res.loaded_block_ids.append(b)
+            res.tier_per_block.append(self.tiers[src].name)
+            ok += 1
+            seen = self.admission.sight(k)
+            targets = [ti for ti in range(self.write_depth)
+                       if ti != src and not self.tiers[ti].contains(k) and self.admission.admits(ti, seen)]
+            if targets:
+                promote.append((j, k, targets))
+        if promote:
+            self._schedule(self._write_slab(slab, rb, promote))
+        else:
+            self.staging.release(slab)
+        return ok
+
+    def _start_read(self, slab: Slab, rb: int, start: int, end: int, keys: Sequence[BlockKey]) -> _Read:
         hand = _Handoff()
         fut = asyncio.run_coroutine_threadsafe(self._read_into_slab(slab, rb, keys, hand), self._loop)
+        return _Read(start, end, slab, fut, hand)
+
+    def _finish_read(self, rd: _Read, timeout: float | None) -> list[int | None] | None:
+        """Each block's source tier (None from the first unreadable block on), or None on timeout
+        or error (then the slab is freed: by the reader when the tier returns, or here)."""
         try:
-            return fut.result(timeout)
+            return rd.fut.result(timeout)
         except TimeoutError:
-            with hand.lock:
-                if not hand.done:
-                    hand.abandoned = True
-                    log.warning("load of %d blocks timed out after %.1fs; recomputing", len(keys), timeout)
+            with rd.hand.lock:
+                if not rd.hand.done:
+                    rd.hand.abandoned = True
+                    log.warning("load of %d blocks timed out after %.1fs; recomputing", rd.end - rd.start, timeout)
                     return None
-            return fut.result()
+            try:
+                return rd.fut.result()  # it finished just now
+            except Exception:
+                log.exception("load read failed")
+                self.staging.release(rd.slab)
+                return None
+        except Exception:
+            log.exception("load read failed")
+            self.staging.release(rd.slab)  # the reader finished (with an error): it never frees the slab
+            return None
+
+    def _abandon(self, rd: _Read) -> None:
+        """Drop a prefetched read nobody will consume; whoever finishes last frees the slab."""
+        with rd.hand.lock:
+            if not rd.hand.done:
+                rd.hand.abandoned = True
+                return
+        self.staging.release(rd.slab)  # the reader is past its I/O and never frees a slab itself
 
     async def _read_into_slab(self, slab: Slab, rb: int, keys: Sequence[BlockKey],
                               hand: _Handoff) -> list[int | None]:

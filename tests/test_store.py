@@ -264,6 +264,15 @@ def test_ttl_sweep_deletes_expired_blocks(pool: StagingPool) -> None:
         assert store.lookup(keys).num_blocks == 0
 
 
+def test_out_of_range_block_ids_are_refused(pool: StagingPool) -> None:
+    keys = keys_for(1)
+    with make_store([HostTier(64 * REC, chunk_bytes=REC, pin=False)], pool) as store:
+        with pytest.raises(ValueError, match="block ids"):
+            store.submit_offload(make_layout(4), [4], keys, keys)
+        with pytest.raises(ValueError, match="block ids"):
+            store.load(make_layout(4), [-1], keys)
+
+
 def test_closed_store_drops(pool: StagingPool) -> None:
     store = make_store([HostTier(64 * REC, chunk_bytes=REC, pin=False)], pool)
     store.close()
@@ -271,3 +280,26 @@ def test_closed_store_drops(pool: StagingPool) -> None:
     assert not store.submit_offload(make_layout(seed=14), [1], keys, parents_of(keys))
     assert store.load(make_layout(), [1], keys).failed_block_ids == [1]
     store.close()  # idempotent
+
+
+def test_chunked_load_pipelines_and_frees_every_slab_on_failure(pool: StagingPool) -> None:
+    host, ssd = HostTier(64 * REC, chunk_bytes=REC, pin=False), NamedHost("ssd", 64 * REC)
+    src, dst = make_layout(32, seed=15), make_layout(32)
+    keys = keys_for(12)
+    with make_store([host, ssd], pool, load_chunk_bytes=2 * REC) as store:  # 6 chunks of 2 blocks
+        store.submit_offload(src, list(range(1, 13)), keys, parents_of(keys))
+        store.drain(10)
+        for k in keys[4:8]:
+            asyncio.run(host.delete(k))  # a middle run only in the lower tier
+        res = store.load(dst, list(range(13, 25)), keys, timeout=10)
+        assert res.loaded_block_ids == list(range(13, 25))
+        assert res.tier_per_block == ["host"] * 4 + ["ssd"] * 4 + ["host"] * 4
+        for s, d in zip(range(1, 13), range(13, 25), strict=True):
+            assert block_bytes(src, s) == block_bytes(dst, d)
+        store.drain(10)
+        _, chunks = host._index[keys[6]]  # promoted back into host; now damage it
+        host._chunks[chunks[0], REC - 100] ^= 0xFF
+        res = store.load(make_layout(32), list(range(13, 25)), keys, timeout=10)
+        assert len(res.loaded_block_ids) == 6 and len(res.failed_block_ids) == 6
+        store.drain(10)
+        assert pool.free_count == 4  # prefetched chunks after the failure gave their slabs back
