@@ -258,3 +258,17 @@ async def test_verify_reads_turns_corruption_into_a_miss(tmp_path: Path) -> None
         assert not t.contains(k)
     finally:
         await t.close()
+
+
+async def test_record_that_cannot_fit_raises_without_evicting(tmp_path: Path) -> None:
+    t = await opened(tmp_path, capacity_bytes=512 << 10, segment_bytes=128 << 10)
+    try:
+        items = [rec(i) for i in range(12)]
+        await t.write_many((k, memoryview(v)) for k, v in items)
+        huge_key = random_key(1, b"huge")
+        huge = make_record(huge_key, 1, shape=small_shape(num_layers=140))  # 564 KiB > capacity
+        with pytest.raises(TierFull):
+            await t.write(huge_key, memoryview(huge))
+        assert all(t.contains(k) for k, _ in items), "a write that cannot fit must not evict anything"
+    finally:
+        await t.close()

@@ -2,7 +2,7 @@
 
 A Python ``dict[bytes, tuple]`` costs about 200 bytes per entry; this open-addressing hash table
 over flat ``array.array`` columns costs 28 bytes per row (two u64 key halves, three u32) plus
-8-16 bytes of table slot per entry at a load factor of 0.25-0.5: under 64 bytes per block.
+8-16 bytes of int32 table slots per entry at a load factor of 0.25-0.5: under 64 bytes per block.
 Keys are BLAKE2b digests, so their first 8 bytes are already uniformly distributed and serve as
 the hash. Offsets and lengths are stored in 4 KiB pages (records are 4 KiB multiples).
 

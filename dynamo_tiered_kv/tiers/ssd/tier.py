@@ -412,9 +412,10 @@ class SSDTier(SegmentSourceMixin, Tier):
                 if self._used + need <= self._capacity:
                     return
                 victims = [s for s in self._segments.values() if self._evictable(s)]
-                if not victims:
-                    raise TierFull(f"SSD tier needs {need} bytes, holds {self._used} of {self._capacity}, "
-                                   "and no sealed segment is evictable (unflushed or pinned)")
+                if not victims or self._used - sum(s.size for s in victims) + need > self._capacity:
+                    raise TierFull(f"SSD tier needs {need} bytes, holds {self._used} of {self._capacity}, and "
+                                   "evicting every evictable segment (sealed, not pinned, flushed or allowed "
+                                   "unflushed) would not make room")
                 victim = min(victims, key=lambda s: s.last_used)
                 self._evict_locked(victim)
 
