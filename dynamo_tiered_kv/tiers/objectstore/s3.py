@@ -211,8 +211,6 @@ class S3Backend(ObjectBackend):
         size = source_len(source)
         if size <= self.part_bytes:
             return await self._put_single(name, source, size, if_absent)
-        if if_absent and await self.head(name) is not None:
-            return False  # servers may ignore If-None-Match on multipart completion
         return await self._put_multipart(name, source, size, if_absent)
 
     async def _put_single(self, name: str, source: Source, size: int, if_absent: bool) -> bool:
@@ -238,8 +236,21 @@ class S3Backend(ObjectBackend):
 
     async def _put_multipart(self, name: str, source: Source, size: int, if_absent: bool) -> bool:
         key = self._key(name)
-        created = await self._call(
+        create = self._call(
             lambda: self._client.create_multipart_upload(Bucket=self.bucket, Key=key), f"create upload {key}")
+        if not if_absent:
+            created = await create
+        else:
+            # Some servers (Ceph RGW 16) ignore If-None-Match on CompleteMultipartUpload, so look
+            # first; the HEAD overlaps the upload's creation and costs no extra round trip.
+            existing, created = await asyncio.gather(self.head(name), create, return_exceptions=True)
+            if isinstance(created, BaseException):
+                raise created
+            if isinstance(existing, BaseException) or existing is not None:
+                await self._abort(key, created["UploadId"])
+                if isinstance(existing, BaseException):
+                    raise existing
+                return False
         upload_id = created["UploadId"]
         pb = self.part_bytes
         n_parts = -(-size // pb)
