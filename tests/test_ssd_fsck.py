@@ -81,3 +81,9 @@ async def test_unsealed_segment_torn_tail_is_a_warning_but_damage_before_valid_r
 def test_missing_target_or_empty_directory_cannot_be_checked(tmp_path: Path) -> None:
     assert main(["fsck", str(tmp_path / "nope")]) == 2
     assert main(["fsck", str(tmp_path)]) == 2  # no tier data
+
+
+def test_url_target_is_handed_to_the_object_tier_checker(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("dynamo_tiered_kv.tiers.objectstore.fsck")
+    assert main(["fsck", f"file://{tmp_path}"]) == 0
+    assert "0 records verified" in capsys.readouterr().out
