@@ -29,21 +29,21 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
 from .codec import decode_blocks, encode_blocks, record_bytes
 from .errors import TierFull, TierUnavailable
 from .keys import BlockKey, Namespace
 from .layout import EngineLayout
 from .metrics import StoreMetrics
+from .policy import Admission, AdmissionPolicy, Retention
 from .staging import Slab, StagingPool
 from .tiers.base import ReadRequest, Tier
 
 log = logging.getLogger(__name__)
-AdmissionPolicy = Literal["always", "second_hit"]
 
 
 class Background(Protocol):
@@ -73,63 +73,6 @@ class LoadResult:
     loaded_block_ids: list[int] = field(default_factory=list)
     failed_block_ids: list[int] = field(default_factory=list)
     tier_per_block: list[str] = field(default_factory=list)  # source tier of each loaded block
-
-
-class Admission:
-    """Which lower tiers a block is written to. The host tier (index 0) admits everything.
-
-    ``always``: every offloaded block goes down to every written tier.
-    ``second_hit``: a block goes below the host tier only once it has been seen twice (offloaded
-    or loaded again), kvblockd's rule: one-off prefixes never cost SSD writes.
-    ``min_prefix_blocks``: sequences shorter than this are not offloaded at all.
-    """
-
-    def __init__(self, policy: AdmissionPolicy = "always", min_prefix_blocks: int = 1,
-                 memory: int = 1 << 16) -> None:
-        if policy not in ("always", "second_hit"):
-            raise ValueError(f"unknown admission policy {policy!r}")
-        self.policy = policy
-        self.min_prefix_blocks = max(1, min_prefix_blocks)
-        self._seen: OrderedDict[BlockKey, int] = OrderedDict()
-        self._memory = memory
-        self._lock = threading.Lock()
-
-    def sight(self, key: BlockKey) -> int:
-        """Record one sighting of ``key``; return how often it has been seen (bounded memory)."""
-        with self._lock:
-            n = self._seen.pop(key, 0) + 1
-            self._seen[key] = n
-            if len(self._seen) > self._memory:
-                self._seen.popitem(last=False)
-            return n
-
-    def admits(self, tier_index: int, sightings: int) -> bool:
-        return tier_index == 0 or self.policy == "always" or sightings >= 2
-
-
-class _Ttl:
-    """Write times of keys this store put into one tier, oldest first, for retention sweeps."""
-
-    def __init__(self, ttl_s: float | None) -> None:
-        self.ttl_s = ttl_s
-        self.written: OrderedDict[BlockKey, float] = OrderedDict()
-
-    def touch(self, key: BlockKey, now: float) -> None:
-        if self.ttl_s is not None:
-            self.written.pop(key, None)
-            self.written[key] = now
-
-    def expired(self, now: float) -> list[BlockKey]:
-        out: list[BlockKey] = []
-        if self.ttl_s is None:
-            return out
-        while self.written:
-            key, t = next(iter(self.written.items()))
-            if now - t < self.ttl_s:
-                break
-            self.written.popitem(last=False)
-            out.append(key)
-        return out
 
 
 class _Handoff:
@@ -192,7 +135,7 @@ class TieredStore:
         self.max_pending_offloads = max_pending_offloads
         self.write_depth = max(1, min(write_depth, len(self.tiers)))
         ttls = list(ttl_s or [])
-        self._ttl = [_Ttl(ttls[i] if i < len(ttls) else None) for i in range(len(self.tiers))]
+        self._ttl = [Retention(ttls[i] if i < len(ttls) else None) for i in range(len(self.tiers))]
         self.metrics = StoreMetrics(self.tiers)
         self.metrics_port = self.metrics.serve(metrics_port) if metrics_port is not None else None
         self._ns_digest = namespace.digest
