@@ -55,6 +55,18 @@ class _FlushCollector(Collector):
         yield CounterMetricFamily("dtkv_flush_failures", "failed upload attempts (retried)", s.failures)
 
 
+class _ProcessWideMetrics(Collector):
+    """Re-exports the ``dtkv_*`` metrics some tiers keep in prometheus' process-wide registry
+    (the SSD tier's), so one ``/metrics`` endpoint per store shows everything."""
+
+    def collect(self):
+        from prometheus_client import REGISTRY
+
+        for family in REGISTRY.collect():
+            if family.name.startswith("dtkv_"):
+                yield family
+
+
 def build_store(config: TieredKVConfig, namespace: Namespace) -> TieredStore:
     """Construct tiers, staging, flusher and metrics from ``config`` (does I/O: opens tiers)."""
     tiers: list[Tier] = []
@@ -123,6 +135,7 @@ def build_store(config: TieredKVConfig, namespace: Namespace) -> TieredStore:
         # every TP rank runs its own store in its own process: rank r serves on metrics_port + r
         metrics_port=config.metrics_port + namespace.tp_rank if config.metrics_port else config.metrics_port,
     )
+    store.metrics.registry.register(_ProcessWideMetrics())
     if flusher is not None:
         store.metrics.registry.register(_FlushCollector(flusher))
     store.flusher = flusher  # type: ignore[attr-defined]

@@ -65,6 +65,7 @@ def test_offload_flush_and_restore_from_objects_only(tmp_path: Path) -> None:
         assert store.flusher.stats.flushed_segments >= 1
         body = _scrape(store)
         assert "dtkv_flush_segments_total" in body
+        assert "dtkv_ssd_written_bytes_total" in body  # the SSD tier's process-wide metrics too
     finally:
         store.close()
     # a fresh store with an empty host tier and a wiped SSD directory restores from objects
