@@ -175,6 +175,7 @@ def encode_blocks(
             sums = [xxhash.xxh3_64_intdigest(mv[base + j * lb : base + (j + 1) * lb]) for j in range(nl)]
             _finish(dst[i * rb : (i + 1) * rb], shape, layout.kind, namespaces[i], keys[i], parents[i], sums)
         return n * rb
+    _check_block_ids(layout, block_ids)
     table = layout.fast_table()
     if table is not None:  # compiled path: one call for the whole batch, GIL released
         sums_all = np.empty((n, nl), dtype=np.uint64)
@@ -316,6 +317,7 @@ def decode_block(buf, layout: EngineLayout, block_id: int, *, namespace: bytes, 
     contents from ``j`` on, and the caller must treat the whole block as not loaded (recompute).
     """
     a = _as_u8(buf)
+    _check_block_ids(layout, [block_id])
     hdr = decode_header(a)
     _check_identity(hdr, namespace, key, layout.shape)
     hb, lb, nl = hdr.header_bytes, hdr.shape.layer_bytes, hdr.shape.num_layers
@@ -374,6 +376,7 @@ def decode_blocks(
     rb = record_bytes(layout.shape)
     if a.nbytes < n * rb:
         raise ValueError(f"buffer holds {a.nbytes} bytes, {n} records need {n * rb}")
+    _check_block_ids(layout, block_ids)
     table = layout.fast_table()
     if table is None:
         out: list[RecordError | None] = []
@@ -410,6 +413,12 @@ def decode_blocks(
         except RecordError as e:
             errors[i] = e
     return errors
+
+
+def _check_block_ids(layout: EngineLayout, block_ids: Sequence[int]) -> None:
+    """Engine block ids index raw memory in the compiled and CUDA paths: refuse bad ones up front."""
+    if len(block_ids) and (min(block_ids) < 0 or max(block_ids) >= layout.num_blocks):
+        raise IndexError(f"block id out of range [0, {layout.num_blocks}): {list(block_ids)}")
 
 
 def _check_identity(hdr: RecordHeader, namespace: bytes | None, key: bytes | None, shape: BlockShape | None) -> None:

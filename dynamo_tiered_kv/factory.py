@@ -34,6 +34,10 @@ class _FlusherTask:
     async def stop(self) -> None:
         await self.flusher.stop()
 
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every sealed segment is in the object tier (the store calls this on close)."""
+        return await self.flusher.drain(timeout)
+
     def __repr__(self) -> str:
         return "flusher"
 
@@ -111,6 +115,7 @@ def build_store(config: TieredKVConfig, namespace: Namespace) -> TieredStore:
             capacity_bytes=config.object_capacity_bytes,
             ttl_s=config.object_ttl_s,
             refresh_interval_s=config.object_refresh_s,
+            verify_reads=False,  # the store verifies every record it loads and counts failures per tier
         )
         tiers.append(obj)
         ttls.append(None)  # object retention is the GC's job (dtkv gc), shared across nodes

@@ -250,3 +250,19 @@ def test_decode_blocks_cross_layout_and_identity_errors() -> None:
     other = make_layout(EngineLayoutKind.FLASHINFER, torch.float16, seed=23)
     errs = codec.decode_blocks(buf, other, [3, 4], namespace=NS.digest, keys=keys)
     assert all(isinstance(e, LayoutMismatch) for e in errs)
+
+
+def test_out_of_range_block_ids_refused_before_any_copy() -> None:
+    lay = make_layout(EngineLayoutKind.FLASH_ATTN, torch.bfloat16, seed=31)
+    keys = chain_keys(NS, range(4))
+    rb = codec.record_bytes(lay.shape)
+    buf = np.zeros(rb, np.uint8)
+    for bad in (-1, lay.num_blocks):
+        with pytest.raises(IndexError):
+            codec.encode_blocks(lay, [bad], [NS.digest], keys, parents_of(keys), buf)
+    codec.encode_blocks(lay, [0], [NS.digest], keys, parents_of(keys), buf)
+    for bad in (-1, lay.num_blocks):
+        with pytest.raises(IndexError):
+            codec.decode_blocks(buf, lay, [bad], namespace=NS.digest, keys=keys)
+        with pytest.raises(IndexError):
+            codec.decode_block(buf, lay, bad, namespace=NS.digest, key=keys[0])
