@@ -1,0 +1,194 @@
+"""tiers: every data path against its raw ceiling, and the connector against vLLM's ExampleConnector.
+
+One run, one machine. Raw ceilings (each from its own benchmark module, same process):
+
+* codec: encode (gather + checksum) / decode (verify + scatter) vs ``memcpy`` (``bench codec``);
+* host: ``TieredStore`` offload / load through the host tier vs two memcpys (``bench store``);
+* SSD: tier write / read vs raw O_DIRECT ``pwritev``/``preadv`` in the same directory (``bench ssd``);
+* S3: object-tier multipart PUT / ranged GET vs raw aiobotocore, same server (``bench s3``; Ceph
+  RGW or any server with ``--s3-endpoint`` / ``DTKV_S3_ENDPOINT``, else a moto server).
+
+Engine comparison (vLLM CPU engine, ``BENCH_SPEC`` model, in-process engine, one fresh process per
+session, the same independent prompts of ``--contexts`` tokens for every connector):
+
+* **store time** for a prompt: how long until its KV is durable, counted beyond the prefill itself.
+  ExampleConnector: engine-thread time inside ``save_kv_layer`` + ``wait_for_save`` (it writes
+  safetensors files synchronously there). dtkv: the same hooks' time (gather + checksum into
+  staging) plus, after the request returns, the time until ``store.drain`` reports every accepted
+  offload written and acknowledged by the host and SSD tiers (O_DIRECT + fdatasync).
+* **restore time**: time to first token (``generate(max_tokens=1)``) of the prompt in a fresh
+  engine process that finds the prefix stored (dtkv: host tier off, served by the SSD tier), and
+  the part of it spent inside the connector's load hooks (``start_load_kv`` + ``wait_for_layer_load``).
+* recompute: the same prompt's TTFT with no connector.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ._agentic_run import BENCH_SPEC, BLOCK_SIZE, kv_bytes_per_token, model_desc, run_session
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, default=Path("dtkv-bench-tiers"), help="work directory (engine logs, KV)")
+    p.add_argument("--dir", type=Path, default=None, help="SSD directory to measure (default: OUT/ssd-raw)")
+    p.add_argument("--s3-endpoint", default=os.environ.get("DTKV_S3_ENDPOINT"),
+                   help="S3 server (default $DTKV_S3_ENDPOINT, else a moto server)")
+    p.add_argument("--contexts", default="2048,8192", help="engine prompt lengths in tokens, comma-separated")
+    p.add_argument("--repeats", type=int, default=3, help="prompts per length (independent contents)")
+    p.add_argument("--quick", action="store_true", help="small sizes everywhere (CI smoke run)")
+    p.add_argument("--skip-raw", action="store_true", help="only the engine comparison")
+    p.add_argument("--skip-engine", action="store_true", help="only the raw data paths")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _sub(module: Any, argv: list[str]) -> dict[str, Any]:
+    """Run another benchmark module's ``run`` with its own parser's defaults plus ``argv``."""
+    p = argparse.ArgumentParser()
+    module.add_arguments(p)
+    ns = p.parse_args(argv)
+    ns.json = True
+    return module.run(ns)
+
+
+def raw_paths(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The four data paths against their ceilings; ``paths`` rows: (ours, ceiling, ratio) in GB/s."""
+    from . import codec, s3, ssd, store
+
+    q = args.quick
+    d = args.dir or work / "ssd-raw"
+    d.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {}
+    res["codec"] = _sub(codec, ["--shape", "qwen2.5-0.5b", "--layout", "vllm_cpu",
+                                *(["--working-set-mib", "32", "--repeats", "2"] if q else [])])
+    res["store"] = _sub(store, ["--layout", "vllm_cpu", *(["--blocks", "64", "--repeats", "2"] if q else [])])
+    res["ssd"] = _sub(ssd, ["--dir", str(d), *(["--size", "64MiB", "--repeats", "2"] if q else ["--size", "512MiB"])])
+    s3_argv = ["--bucket", "dtkv-bench-tiers"]
+    if args.s3_endpoint:
+        s3_argv += ["--endpoint", args.s3_endpoint]
+    res["s3"] = _sub(s3, [*s3_argv, *(["--segment-mib", "16", "--repeats", "1"] if q else [])])
+    shutil.rmtree(d, ignore_errors=True)
+    c, st, sd, o = res["codec"], res["store"], res["ssd"], res["s3"]
+    res["paths"] = {
+        "codec encode vs memcpy": (c["encode_gbps"], c["memcpy_gbps"]),
+        "codec decode vs memcpy": (c["decode_gbps"], c["memcpy_in_gbps"]),
+        "host offload vs 2x memcpy": (st["offload_gbps"], st["memcpy2_gbps"]),
+        "host load vs 2x memcpy": (st["load_gbps"], st["memcpy2_gbps"]),
+        "SSD write vs raw O_DIRECT": (sd["write_gbps"], sd["raw_write_gbps"]),
+        "SSD read vs raw O_DIRECT": (sd["read_gbps"], sd["raw_read_gbps"]),
+        f"S3 PUT vs raw aiobotocore ({o.get('server', args.s3_endpoint)})": (o["put_gbps"], o["raw_put_gbps"]),
+        f"S3 GET vs raw aiobotocore ({o.get('server', args.s3_endpoint)})": (o["get_gbps"], o["raw_get_gbps"]),
+    }
+    res["paths"] = {k: {"gbps": a, "ceiling_gbps": b, "ratio": a / b} for k, (a, b) in res["paths"].items()}
+    return res
+
+
+def engine_compare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """ExampleConnector vs dtkv on the same engine and prompts: store and restore (see module doc)."""
+    from tqdm import tqdm
+
+    from ..connectors.vllm.tiny_model import build_tiny_model, synthetic_tokens
+
+    contexts = [int(x) for x in args.contexts.split(",")]
+    if args.quick:
+        contexts, args.repeats = [min(contexts[0], 1024)], 1
+    build_tiny_model(work / "model", BENCH_SPEC)
+    prompts = [{"agent": i, "turn": n, "prompt": synthetic_tokens(n + 1, seed=5000 + 17 * i + n,
+                                                                   vocab_size=BENCH_SPEC.vocab_size)}
+               for n in contexts for i in range(args.repeats)]
+    max_len = -(-(max(contexts) + 2 * BLOCK_SIZE) // BLOCK_SIZE) * BLOCK_SIZE
+    base = {"model": str(work / "model"), "max_model_len": max_len, "block_size": BLOCK_SIZE,
+            "gpu_blocks": max_len // BLOCK_SIZE + 8, "mode": "replay", "prompts": prompts}
+    for d in ("example", "ssd"):
+        shutil.rmtree(work / d, ignore_errors=True)
+    ours = {"ssd_dir": str((work / "ssd").resolve()), "ssd_capacity_bytes": 8 << 30, "ssd_segment_bytes": 64 << 20,
+            "staging_slab_bytes": 16 << 20, "staging_slabs": 4}
+    plan = [("recompute", {"connector": None}),
+            ("example-store", {"connector": "example", "shared_storage_path": str(work / "example")}),
+            ("example-restore", {"connector": "example", "shared_storage_path": str(work / "example")}),
+            ("dtkv-store", {"connector": "dtkv", "extra_config": {"host_capacity_bytes": 1 << 30, **ours}}),
+            ("dtkv-restore", {"connector": "dtkv", "extra_config": {"host_capacity_bytes": 0, **ours}})]
+    bar = tqdm(total=len(plan) * len(prompts), desc="tiers engine", unit="req", file=sys.stderr,
+               disable=args.no_progress)
+    sess: dict[str, Any] = {}
+    try:
+        for i, (name, extra) in enumerate(plan):
+            bar.set_postfix_str(name)
+            sess[name] = run_session({**base, **extra}, work, f"tiers-{name}", bar, i * len(prompts))["replay"]
+    finally:
+        bar.close()
+    rows = []
+    for n in contexts:
+        def med(session: str, key: str, n: int = n) -> float:
+            return statistics.median(r.get(key, 0.0) for r in sess[session] if r["turn"] == n)
+
+        kv_mb = (n // BLOCK_SIZE) * BLOCK_SIZE * kv_bytes_per_token() / 1e6
+        row: dict[str, Any] = {"context_tokens": n, "kv_mb": kv_mb, "recompute_ms": med("recompute", "ttft_ms")}
+        for c in ("example", "dtkv"):
+            row[f"{c}_store_ms"] = med(f"{c}-store", "save_hook_ms") + med(f"{c}-store", "drain_ms")
+            row[f"{c}_store_request_ms"] = med(f"{c}-store", "ttft_ms")
+            row[f"{c}_restore_ttft_ms"] = med(f"{c}-restore", "ttft_ms")
+            row[f"{c}_restore_load_ms"] = med(f"{c}-restore", "load_hook_ms")
+            row[f"{c}_restored_tokens"] = med(f"{c}-restore", "cached_tokens")
+        row["dtkv_save_hook_ms"] = med("dtkv-store", "save_hook_ms")
+        row["dtkv_drain_ms"] = med("dtkv-store", "drain_ms")
+        row["store_speedup"] = row["example_store_ms"] / row["dtkv_store_ms"]
+        row["restore_ttft_speedup"] = row["example_restore_ttft_ms"] / row["dtkv_restore_ttft_ms"]
+        row["restore_load_speedup"] = row["example_restore_load_ms"] / max(row["dtkv_restore_load_ms"], 1e-6)
+        row["same_output"] = {c: all(a["first_token"] == b["first_token"] for a, b in
+                                     zip(sess["recompute"], sess[f"{c}-restore"], strict=True) if a["turn"] == n)
+                              for c in ("example", "dtkv")}
+        rows.append(row)
+    return {"model": model_desc(), "rows": rows, "sessions": sess}
+
+
+def format_tables(res: dict[str, Any]) -> str:
+    lines: list[str] = []
+    if "paths" in res:
+        lines += [f"{'data path':<52} {'GB/s':>7} {'ceiling':>8} {'ratio':>6}"]
+        for k, v in res["paths"].items():
+            lines.append(f"{k:<52} {v['gbps']:>7.2f} {v['ceiling_gbps']:>8.2f} {v['ratio']:>6.2f}")
+    if "engine" in res:
+        e = res["engine"]
+        lines += ["", f"engine: {e['model']}",
+                  f"{'context':>7} {'KV MB':>6} {'recompute':>10} | {'store ms':^19} {'x':>5} | "
+                  f"{'restore TTFT ms':^17} {'x':>5} | {'restore load ms':^17} {'x':>6} | same",
+                  f"{'':>7} {'':>6} {'TTFT ms':>10} | {'Example':>9} {'dtkv':>9} {'':>5} | {'Example':>8} "
+                  f"{'dtkv':>8} {'':>5} | {'Example':>8} {'dtkv':>8} {'':>6} |"]
+        for r in e["rows"]:
+            same = "yes" if all(r["same_output"].values()) else str(r["same_output"])
+            lines.append(f"{r['context_tokens']:>7} {r['kv_mb']:>6.1f} {r['recompute_ms']:>10.0f} | "
+                         f"{r['example_store_ms']:>9.1f} {r['dtkv_store_ms']:>9.1f} {r['store_speedup']:>4.1f}x | "
+                         f"{r['example_restore_ttft_ms']:>8.1f} {r['dtkv_restore_ttft_ms']:>8.1f} "
+                         f"{r['restore_ttft_speedup']:>4.1f}x | {r['example_restore_load_ms']:>8.1f} "
+                         f"{r['dtkv_restore_load_ms']:>8.1f} {r['restore_load_speedup']:>5.1f}x | {same}")
+        lines.append("dtkv store = connector save hooks + drain until host and SSD acknowledge; "
+                     "ExampleConnector store = its synchronous save hooks.")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import importlib.util
+
+    work: Path = args.out if args.out else Path(tempfile.mkdtemp(prefix="dtkv-bench-tiers-"))
+    work.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {"cpu_count": os.cpu_count()}
+    if not args.skip_raw:
+        res.update(raw_paths(args, work))
+    if not args.skip_engine:
+        if importlib.util.find_spec("vllm") is None:
+            res["engine_skipped"] = "vLLM is not installed"
+        else:
+            res["engine"] = engine_compare(args, work)
+    (work / "tiers.json").write_text(__import__("json").dumps(res, indent=1, default=str))
+    if args.json:
+        return res
+    print(format_tables(res))
+    return {"json": str(work / "tiers.json")}
