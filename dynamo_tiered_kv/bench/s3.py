@@ -12,7 +12,9 @@ server and bucket in the same run:
   contiguous run, records verified); ``gets_per_prefix`` counts the GETs it issued;
 * ``raw_get``: one aiobotocore ranged GET per prefix, body read into bytes.
 
-Rounds interleave the paths (``--repeats``, alternating which goes first) and report medians;
+Every path uses its own long-lived client. A first, unreported round warms connections and
+server-side pools; then ``--repeats`` rounds interleave the paths (PUTs alternate per round,
+GETs per prefix, swapping which goes first) and medians are reported;
 GB/s is 10^9 bytes per second. Without ``--endpoint`` a moto server is started on loopback in
 a separate process. Objects written by the benchmark are deleted afterwards.
 """
@@ -141,71 +143,75 @@ async def _run(args: argparse.Namespace, endpoint: str, work: Path) -> dict[str,
     data = seg.path.read_bytes()
     per = max(1, n // args.prefixes)
     prefixes = [seg.entries[i:i + per] for i in range(0, n, per)][: args.prefixes]
-    run_id = uuid.uuid4().hex[:8]
+    root = f"dtkv-bench/{uuid.uuid4().hex[:8]}/"
     kw: dict[str, Any] = {"endpoint_url": endpoint, "region": args.region, "access_key": args.access_key,
                           "secret_key": args.secret_key, "part_bytes": args.part_mib << 20,
                           "max_concurrency": args.concurrency}
-    setup = S3Backend(args.bucket, f"dtkv-bench/{run_id}/", create_bucket=True, **kw)
-    await setup.open()
-    client = setup._client  # the raw path: the same aiobotocore client settings, no tier code
+    # Long-lived clients for every path (as a flusher's would be): the raw path uses one, the
+    # writing node and the reading node one each.
+    setup = S3Backend(args.bucket, root, create_bucket=True, **kw)
+    writer = S3Backend(args.bucket, root + "tier/", **kw)
+    reader_backend = S3Backend(args.bucket, root + "tier/", **kw)
+    for b in (setup, writer, reader_backend):
+        await b.open()
+    client = setup._client  # the raw path: plain aiobotocore calls, no tier code
+    raw_key = root + "raw/segment"
     pool = StagingPool(per * rb, 1)
     res: dict[str, list[float]] = {"put": [], "raw_put": [], "get": [], "raw_get": []}
     gets = restored = 0
     try:
-        for rnd in range(args.repeats):
-            tier = ObjectTier(S3Backend(args.bucket, f"dtkv-bench/{run_id}/tier{rnd}/", **kw))
-            await tier.open()
-            raw_key = f"dtkv-bench/{run_id}/raw{rnd}/segment"
-
-            async def put() -> None:
+        for rnd in range(args.repeats + 1):  # round 0 warms connections and server pools: not reported
+            tier = ObjectTier(writer)
+            await tier.refresh()
+            times = {}
+            for path in (("put", "raw_put") if rnd % 2 == 0 else ("raw_put", "put")):
                 t = time.perf_counter()
-                await tier.publish_segment(seg)  # noqa: B023 - awaited within the iteration
-                res["put"].append(seg.size / (time.perf_counter() - t) / 1e9)
-
-            async def raw_put() -> None:
-                t = time.perf_counter()
-                await _raw_put(client, args.bucket, raw_key, data,  # noqa: B023
-                               args.part_mib << 20, args.concurrency)
-                res["raw_put"].append(len(data) / (time.perf_counter() - t) / 1e9)
-
-            for step in ((put, raw_put) if rnd % 2 == 0 else (raw_put, put)):
-                await step()
-            reader = ObjectTier(S3Backend(args.bucket, f"dtkv-bench/{run_id}/tier{rnd}/", **kw))
-            await reader.open()  # a fresh node: index from the manifest
+                if path == "put":
+                    await tier.publish_segment(seg)
+                else:
+                    await _raw_put(client, args.bucket, raw_key, data, args.part_mib << 20, args.concurrency)
+                times[path] = time.perf_counter() - t
+            reader = ObjectTier(reader_backend)
+            await reader.refresh()  # a node with no local state: index from the manifest
+            t_get = t_raw = 0.0
+            nbytes = 0
             with pool.slab() as slab:
-                async def get() -> None:
-                    nonlocal gets, restored
-                    total, t = 0, time.perf_counter()
-                    for p in prefixes:
-                        before = reader.stats.gets  # noqa: B023
-                        reqs, off = [], 0
-                        for e in p:
-                            reqs.append(ReadRequest(e.key, slab.view[off:off + e.length]))
-                            off += e.length
-                        got = await reader.read_many(reqs)  # noqa: B023
-                        if any(g != e.length for g, e in zip(got, p)):
-                            raise RuntimeError("object tier restore missed records")
-                        gets += reader.stats.gets - before  # noqa: B023
-                        restored += 1
-                        total += off
-                    res["get"].append(total / (time.perf_counter() - t) / 1e9)
-
-                async def raw_get() -> None:
-                    total, t = 0, time.perf_counter()
-                    for p in prefixes:
-                        length = p[-1].offset + p[-1].length - p[0].offset
-                        total += await _raw_get(client, args.bucket, raw_key, p[0].offset, length)  # noqa: B023
-                    res["raw_get"].append(total / (time.perf_counter() - t) / 1e9)
-
-                for step in ((get, raw_get) if rnd % 2 == 0 else (raw_get, get)):
-                    await step()
-            await reader.close()
-            await tier.close()
+                # Prefix by prefix, tier and raw back to back (alternating which goes first), so
+                # both see the same server state; each path's time is summed over the prefixes.
+                for i, p in enumerate(prefixes):
+                    length = p[-1].offset + p[-1].length - p[0].offset
+                    reqs, off = [], 0
+                    for e in p:
+                        reqs.append(ReadRequest(e.key, slab.view[off:off + e.length]))
+                        off += e.length
+                    for path in (("get", "raw") if (rnd + i) % 2 == 0 else ("raw", "get")):
+                        t = time.perf_counter()
+                        if path == "get":
+                            before = reader.stats.gets
+                            got = await reader.read_many(reqs)
+                            t_get += time.perf_counter() - t
+                            if any(g != e.length for g, e in zip(got, p)):
+                                raise RuntimeError("object tier restore missed records")
+                            if rnd:
+                                gets += reader.stats.gets - before
+                                restored += 1
+                        else:
+                            await _raw_get(client, args.bucket, raw_key, p[0].offset, length)
+                            t_raw += time.perf_counter() - t
+                    nbytes += length
+            for o in await setup.list(""):  # the next round uploads for real again
+                await setup.delete(o.name)
+            if rnd:
+                res["put"].append(seg.size / times["put"] / 1e9)
+                res["raw_put"].append(len(data) / times["raw_put"] / 1e9)
+                res["get"].append(nbytes / t_get / 1e9)
+                res["raw_get"].append(nbytes / t_raw / 1e9)
     finally:
         pool.close()
         for o in await setup.list(""):
             await setup.delete(o.name)
-        await setup.close()
+        for b in (setup, writer, reader_backend):
+            await b.close()
     med = {k: statistics.median(v) for k, v in res.items()}
     return {
         "endpoint": endpoint,

@@ -88,6 +88,11 @@ osd max object namespace len = 64
 rgw frontends = beast endpoint=127.0.0.1:$RGW_PORT
 rgw data = $D/rgw
 rgw dns name = localhost
+# memstore only frees deleted objects after RGW's gc runs (default: 2 h later); benchmarks and
+# tests delete what they write, so collect quickly.
+rgw gc obj min wait = 30
+rgw gc processor period = 30
+rgw gc processor max time = 30
 CONF
 C=(-c "$D/ceph.conf")
 ceph-authtool --create-keyring "$D/keyring" --gen-key -n mon. --cap mon 'allow *' >/dev/null
