@@ -84,8 +84,9 @@ def test_tiers_quick_raw_paths(tmp_path):
 
 def test_tiers_engine_table_format():
     row = {"context_tokens": 8192, "kv_mb": 50.3, "recompute_ms": 7000.0, "example_store_ms": 400.0,
-           "dtkv_store_ms": 40.0, "store_speedup": 10.0, "example_restore_ttft_ms": 300.0,
+           "dtkv_store_ms": 40.0, "store_speedup": 10.0, "dtkv_save_hook_ms": 10.0, "store_engine_speedup": 40.0,
+           "example_restore_ttft_ms": 300.0, "example_restore_warm_ttft_ms": 100.0,
            "dtkv_restore_ttft_ms": 60.0, "restore_ttft_speedup": 5.0, "example_restore_load_ms": 250.0,
            "dtkv_restore_load_ms": 20.0, "restore_load_speedup": 12.5, "same_output": {"example": True, "dtkv": True}}
     text = tiers.format_tables({"engine": {"model": "m", "rows": [row]}})
-    assert "10.0x" in text and "12.5x" in text and "yes" in text
+    assert "10.0x" in text and "40.0x" in text and "12.5x" in text and "yes" in text

@@ -22,7 +22,8 @@ Timing definitions (all wall clock, ``perf_counter``):
   during the request (ExampleConnector writes its files synchronously there);
 * ``drain_ms`` (dtkv): after the request returns, the time until ``store.drain`` reports every
   accepted offload written to every tier (host and SSD write acknowledged);
-* ``load_hook_ms``: time inside ``start_load_kv`` + ``wait_for_layer_load``.
+* ``load_hook_ms``: time inside ``start_load_kv`` + ``wait_for_layer_load``;
+* ``lookup_ms``: scheduler time inside ``get_num_new_matched_tokens`` (finding the stored prefix).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 _HOOKS = {"save_kv_layer": "save", "wait_for_save": "save", "start_load_kv": "load",
-          "wait_for_layer_load": "load"}
-_timers = {"save": 0.0, "load": 0.0}
+          "wait_for_layer_load": "load", "get_num_new_matched_tokens": "lookup"}
+_timers = {"save": 0.0, "load": 0.0, "lookup": 0.0}
 
 
 def _progress(done: int) -> None:
@@ -125,7 +126,8 @@ class Session:
                                "cached_tokens": int(out.num_cached_tokens or 0),
                                "first_token": list(out.outputs[0].token_ids),
                                "save_hook_ms": (_timers["save"] - before["save"]) * 1000,
-                               "load_hook_ms": (_timers["load"] - before["load"]) * 1000}
+                               "load_hook_ms": (_timers["load"] - before["load"]) * 1000,
+                               "lookup_ms": (_timers["lookup"] - before["lookup"]) * 1000}
         if self.store is not None:
             t = time.perf_counter()
             self.store.drain(120)
