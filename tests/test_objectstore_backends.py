@@ -231,3 +231,16 @@ async def test_unreachable_store_degrades_to_misses() -> None:
     with pytest.raises(TierUnavailable):
         await asyncio.wait_for(tier.write(random_key(1), memoryview(make_record(random_key(1)))), 30)
     await tier.close()
+
+
+async def test_multipart_from_memory_reuses_part_buffers(moto_s3: S3Server) -> None:
+    b = S3Backend(unique_bucket("mp"), part_bytes=5 << 20, max_concurrency=2, **moto_s3.backend_kwargs())
+    await b.open()
+    try:
+        blobs = [_payload((11 << 20) + 123, seed=s) for s in (1, 2, 3)]
+        await asyncio.gather(*(b.put_object(f"o{i}", memoryview(x)) for i, x in enumerate(blobs)))
+        assert 0 < len(b._buffers) <= 4  # full-size part buffers came back for reuse
+        for i, x in enumerate(blobs):
+            assert await b.get_bytes(f"o{i}") == x  # reused buffers never mixed parts up
+    finally:
+        await b.close()
