@@ -56,6 +56,8 @@ def test_tables_headline_and_plots(tmp_path):
     res["summary"] = report.summarize(res)
     text = report.format_tables(res)
     assert "object" in text and "98.0%" in text  # ssd's 160 ms vs 8000 ms recompute
+    md = report.markdown(res)
+    assert md.count("\n| ") >= 4 + 4 + 4 and "| ssd | 4 |" in md
     h = report.headline(res)
     assert h["ssd_ttft_reduction_min_8k"] == pytest.approx(0.98)
     json.dumps(h)

@@ -163,3 +163,34 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     fig.savefig(p2, dpi=110)
     plt.close(fig)
     return [p1, p2]
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The summary and per-tier tables as GitHub markdown (what docs/BENCHMARKS.md quotes)."""
+    s = result["summary"]
+    out = ["| tier | turns | median TTFT reduction | min reduction, contexts >= 8k | context tokens/s of TTFT "
+           "| MB read | restore GB/s (load hooks) | same first token |", "|---|---|---|---|---|---|---|---|",
+           f"| recompute | {len(s['host']['rows'])} | - | - | {s['recompute']['prefill_tokens_per_s']:.0f} "
+           "| - | - | - |"]
+    for tier in TIERS:
+        t = s[tier]
+        lm = f"{t['long_min_reduction']:.1%} ({t['long_turns']} turns)" if t["long_min_reduction"] is not None else "-"
+        out.append(f"| {tier} | {t['turns']} | {t['median_reduction']:.1%} | {lm} | {t['tokens_per_s']:.0f} | "
+                   f"{t['bytes_read'] / 1e6:.0f} | {t['restore_gbps']:.2f} | {t['same_output']}/{t['turns']} |")
+    out += ["", "| agent | turn | context | recompute ms | host ms | SSD ms | object ms | host x | SSD x | object x "
+                "| MB restored |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for h, d, o in zip(s["host"]["rows"], s["ssd"]["rows"], s["object"]["rows"], strict=True):
+        out.append(f"| {h['agent']} | {h['turn']} | {h['context_tokens']} | {h['recompute_ms']:.0f} | "
+                   f"{h['ttft_ms']:.0f} | {d['ttft_ms']:.0f} | {o['ttft_ms']:.0f} | {h['speedup']:.1f} | "
+                   f"{d['speedup']:.1f} | {o['speedup']:.1f} | {h['read_bytes'] / 1e6:.1f} |")
+    lv = s["live"]
+    out += ["", "| agent | turn | context | TTFT ms (tiers) | TTFT ms (recompute) | restored tokens | engine-cache "
+                "hit tokens | served by |", "|---|---|---|---|---|---|---|---|"]
+    for r in lv["rows"]:
+        out.append(f"| {r['agent']} | {r['turn']} | {r['context_tokens']} | {r['ttft_ms']:.0f} | "
+                   f"{r['recompute_ms']:.0f} | {r['restored_tokens']} | {r['gpu_hit_tokens']} | "
+                   f"{_served(r['served_blocks'])} |")
+    out.append(f"\nLive session: {lv['wall_s']:.1f} s wall for {len(lv['rows'])} turns ({lv['turns_per_min']:.1f} "
+               f"turns/min, idle gaps included); sum of TTFT {lv['ttft_sum_s']:.1f} s with the tiers vs "
+               f"{lv['recompute_sum_s']:.1f} s recomputing; {lv['bytes_read'] / 1e6:.0f} MB restored.")
+    return "\n".join(out)

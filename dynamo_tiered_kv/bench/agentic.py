@@ -128,6 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "object_tier": obj_desc, "cpu_count": os.cpu_count(), "sessions": sessions}
     result["summary"] = report.summarize(result)
     (work / "agentic.json").write_text(json.dumps(result, indent=1))
+    (work / "agentic.md").write_text(report.markdown(result) + "\n")
     if not args.no_plots:
         result["plots"] = [str(p) for p in report.plot(result, work)]
     if args.json:
