@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -22,6 +23,17 @@ import pytest
 from .s3util import S3Server
 
 CEPH_SCRIPT = Path(__file__).with_name("ceph_rgw.sh")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sk in socks:
+            sk.bind(("127.0.0.1", 0))
+        return [sk.getsockname()[1] for sk in socks]
+    finally:
+        for sk in socks:
+            sk.close()
 
 
 @pytest.fixture(scope="session")
@@ -48,11 +60,13 @@ def ceph_s3() -> Iterator[S3Server]:
         pytest.skip("no S3 server: set DTKV_S3_ENDPOINT or install radosgw ceph-mon ceph-osd "
                     "(apt-get install -y --no-install-recommends radosgw ceph-mon ceph-osd ceph-mgr)")
     d = tempfile.mkdtemp(prefix="dtkv-ceph-")
-    port = env.get("DTKV_CEPH_RGW_PORT", "17480")
-    senv = {**env, "RGW_PORT": port, "MON_PORT_V2": "13300", "MON_PORT_V1": "16789"}
+    # Free ports, so concurrent test sessions (and a CI-started cluster) never collide.
+    port, mon2, mon1 = (str(p) for p in _free_ports(3))
+    senv = {**env, "RGW_PORT": port, "MON_PORT_V2": mon2, "MON_PORT_V1": mon1}
     r = subprocess.run([str(CEPH_SCRIPT), "start", d], capture_output=True, text=True, env=senv, timeout=180)
     if r.returncode != 0:
         subprocess.run([str(CEPH_SCRIPT), "stop", d], env=senv, timeout=60)
+        shutil.rmtree(d, ignore_errors=True)
         pytest.fail(f"Ceph RGW did not start:\n{r.stderr[-3000:]}")
     try:
         yield S3Server(f"http://127.0.0.1:{port}", "testing", "testing", "ceph")
