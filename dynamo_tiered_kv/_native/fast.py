@@ -53,9 +53,13 @@ except (ImportError, OSError, AttributeError) as e:  # no compiler at install ti
 
 
 class LayerTable:
-    """Engine layer geometry in the form the C helpers take (built once per layout)."""
+    """Engine layer geometry in the form the C helpers take (built once per layout).
 
-    __slots__ = ("block_stride", "num_layers", "plane_bytes", "plane_stride", "planes", "ptrs")
+    ``geom`` is the argument run every helper starts with after the hash function: the layer
+    pointer table, layer count, planes per layer, block stride, plane stride, plane bytes.
+    """
+
+    __slots__ = ("geom", "ptrs")
 
     def __init__(self, layer_views: list[np.ndarray]) -> None:
         v0 = layer_views[0]
@@ -63,25 +67,19 @@ class LayerTable:
             raise ValueError("layer views differ in geometry")
         if v0.strides[2] != 1:
             raise ValueError("plane bytes must be contiguous")
-        self.ptrs = np.array([v.ctypes.data for v in layer_views], dtype=np.uint64)
-        self.num_layers = len(layer_views)
-        self.planes = int(v0.shape[1])
-        self.plane_bytes = int(v0.shape[2])
-        self.block_stride = int(v0.strides[0])
-        self.plane_stride = int(v0.strides[1])
+        self.ptrs = np.array([v.ctypes.data for v in layer_views], dtype=np.uint64)  # kept alive here
+        planes, plane_bytes = int(v0.shape[1]), int(v0.shape[2])
+        block_stride, plane_stride = int(v0.strides[0]), int(v0.strides[1])
+        self.geom = (self.ptrs.ctypes.data, len(layer_views), planes, block_stride, plane_stride, plane_bytes)
 
 
 def gather_hash(
     t: LayerTable, block_ids: np.ndarray, dst: np.ndarray, record_bytes: int, header_bytes: int, sums: np.ndarray
 ) -> None:
+    """Gather ``block_ids`` into records at ``record_bytes`` stride; per-layer XXH3 into ``sums``."""
     _lib.dtkv_gather_hash(
         XXH3,
-        t.ptrs.ctypes.data,
-        t.num_layers,
-        t.planes,
-        t.block_stride,
-        t.plane_stride,
-        t.plane_bytes,
+        *t.geom,
         block_ids.ctypes.data,
         len(block_ids),
         dst.ctypes.data,
@@ -93,20 +91,7 @@ def gather_hash(
 
 def verify_scatter(t: LayerTable, block_id: int, payload: np.ndarray, sums: np.ndarray) -> int:
     """-1 if every layer verified and was copied, else the first failing layer."""
-    return int(
-        _lib.dtkv_verify_scatter(
-            XXH3,
-            t.ptrs.ctypes.data,
-            t.num_layers,
-            t.planes,
-            t.block_stride,
-            t.plane_stride,
-            t.plane_bytes,
-            block_id,
-            payload.ctypes.data,
-            sums.ctypes.data,
-        )
-    )
+    return int(_lib.dtkv_verify_scatter(XXH3, *t.geom, block_id, payload.ctypes.data, sums.ctypes.data))
 
 
 # status codes of decode_batch (negative; a value >= 0 is the first layer that failed its checksum)
@@ -128,12 +113,7 @@ def decode_batch(
     """Verify and scatter records laid back to back; fills ``status`` with the codes above."""
     _lib.dtkv_decode_batch(
         XXH3,
-        t.ptrs.ctypes.data,
-        t.num_layers,
-        t.planes,
-        t.block_stride,
-        t.plane_stride,
-        t.plane_bytes,
+        *t.geom,
         records.ctypes.data,
         record_bytes,
         header_bytes,
