@@ -19,19 +19,12 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..._fileio import fsync_dir
 from ...errors import TierUnavailable
 from .backend import FileSource, ObjectBackend, ObjectInfo, Source
 
 _COPY_CHUNK = 8 << 20
 _PARTIAL = ".partial"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -85,7 +78,7 @@ def _put(root: Path, name: str, src: Source, if_absent: bool) -> bool:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     return True
 
 

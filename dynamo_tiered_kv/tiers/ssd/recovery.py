@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..._fileio import fsync_dir
 from ...codec import ALIGN, MAGIC, decode_header, verify_record
 from ...errors import RecordError
 from . import metrics
@@ -148,9 +149,3 @@ def load_tombstones(rank_dir: Path, live_seqs: set[int]) -> set[tuple[int, int]]
     return {(s, o) for s, o, _ in kept}
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
