@@ -71,8 +71,15 @@ class _ProcessWideMetrics(Collector):
                 yield family
 
 
-def build_store(config: TieredKVConfig, namespace: Namespace) -> TieredStore:
-    """Construct tiers, staging, flusher and metrics from ``config`` (does I/O: opens tiers)."""
+def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | None = None) -> TieredStore:
+    """Construct tiers, staging, flusher and metrics from ``config`` (does I/O: opens tiers).
+
+    ``rank`` names this process's SSD subdirectory and offsets its metrics port; it must be unique
+    among the workers of a host (global rank over DP x PP x TP). Default: the namespace's position
+    in its pipeline stage and TP group.
+    """
+    if rank is None:
+        rank = namespace.pp_rank * namespace.tp_size + namespace.tp_rank
     tiers: list[Tier] = []
     ttls: list[float | None] = []
     if config.host_capacity_bytes:
@@ -88,7 +95,7 @@ def build_store(config: TieredKVConfig, namespace: Namespace) -> TieredStore:
             config.ssd_dir,
             capacity_bytes=config.ssd_capacity_bytes,
             segment_bytes=config.ssd_segment_bytes,
-            rank=namespace.tp_rank,
+            rank=rank,
             io=config.ssd_io,
             # without an object tier nothing will ever flush: eviction must be allowed
             allow_evict_unflushed=config.ssd_allow_evict_unflushed if config.object_url else True,
@@ -137,8 +144,8 @@ def build_store(config: TieredKVConfig, namespace: Namespace) -> TieredStore:
         write_depth=len(tiers) if flusher is None else len(tiers) - 1,
         ttl_s=ttls,
         background=background,
-        # every TP rank runs its own store in its own process: rank r serves on metrics_port + r
-        metrics_port=config.metrics_port + namespace.tp_rank if config.metrics_port else config.metrics_port,
+        # every worker runs its own store in its own process: rank r serves on metrics_port + r
+        metrics_port=config.metrics_port + rank if config.metrics_port else config.metrics_port,
     )
     store.metrics.registry.register(_ProcessWideMetrics())
     if flusher is not None:

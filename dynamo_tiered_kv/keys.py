@@ -5,7 +5,8 @@ per-process seed such as Python's ``hash()``), so two processes or two machines 
 the key of the same prefix get the same 16 bytes, and any node can find another node's blocks.
 
 * ``Namespace`` pins what makes KV bytes interchangeable: model id, KV dtype, engine layout,
-  block size, layer count, KV heads, head size, TP rank and size, and the tenant salt.
+  block size, layer count, KV heads, head size, TP rank and size, pipeline stage and stage
+  count (two stages hold different layers of the same shape), and the tenant salt.
 * A block key is ``H(namespace, parent_key, block content)`` where the content is either the
   block's token ids or an engine-supplied block hash (vLLM hands requests their block hashes).
   Chaining the parent makes the key name the whole prefix, not just the block's tokens.
@@ -54,13 +55,17 @@ class Namespace:
     tp_rank: int = 0
     tp_size: int = 1
     tenant_salt: str = field(default="", repr=False)
+    pp_rank: int = 0
+    pp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_layers", "num_kv_heads", "head_size", "tp_size"):
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_size", "tp_size", "pp_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Namespace.{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"Namespace.tp_rank {self.tp_rank} outside [0, {self.tp_size})")
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(f"Namespace.pp_rank {self.pp_rank} outside [0, {self.pp_size})")
 
     @property
     def digest(self) -> bytes:
@@ -72,13 +77,15 @@ class Namespace:
                 _put_str(h, s)
             h.update(
                 struct.pack(
-                    "<6q",
+                    "<8q",
                     self.block_size,
                     self.num_layers,
                     self.num_kv_heads,
                     self.head_size,
                     self.tp_rank,
                     self.tp_size,
+                    self.pp_rank,
+                    self.pp_size,
                 )
             )
             cached = h.digest()

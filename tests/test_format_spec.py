@@ -37,13 +37,13 @@ def spec_namespace(model, dtype, layout, salt, *ints) -> bytes:
     for s in (model, dtype, layout, salt):
         b = s.encode()
         h.update(struct.pack("<I", len(b)) + b)
-    h.update(struct.pack("<6q", *ints))
+    h.update(struct.pack("<8q", *ints))
     return h.digest()
 
 
 def test_independent_reader_agrees() -> None:
     ns = Namespace("m", "bfloat16", "KV_SPLIT", 4, 2, 2, 8, tenant_salt="t")
-    assert ns.digest == spec_namespace("m", "bfloat16", "KV_SPLIT", "t", 4, 2, 2, 8, 0, 1)
+    assert ns.digest == spec_namespace("m", "bfloat16", "KV_SPLIT", "t", 4, 2, 2, 8, 0, 1, 0, 1)
     tokens = [1, 2, 3, 4]
     spec_key = hashlib.blake2b(
         ns.digest + ROOT_KEY + b"T" + np.array(tokens, "<u4").tobytes(), digest_size=16, person=b"dtkv-key-v1"
