@@ -373,6 +373,8 @@ def decode_blocks(
     n = len(block_ids)
     if len(keys) != n:
         raise ValueError("block_ids and keys must have the same length")
+    if len(namespace) != KEY_BYTES or any(len(k) != KEY_BYTES for k in keys):
+        raise ValueError("namespace digest and keys must each be 16 bytes")  # the C path compares 16 bytes
     rb = record_bytes(layout.shape)
     if a.nbytes < n * rb:
         raise ValueError(f"buffer holds {a.nbytes} bytes, {n} records need {n * rb}")

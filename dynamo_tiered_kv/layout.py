@@ -149,6 +149,12 @@ class EngineLayout:
         self.shape = BlockShape(
             CANONICAL_OF[kind], DType.from_torch(layers[0].dtype), num_layers, block_size, num_kv_heads, head_size
         )
+        t0 = layers[0]
+        for t in layers[1:]:  # block ids are checked once against all layers: geometry must match
+            if t.shape != t0.shape or t.dtype != t0.dtype or t.stride() != t0.stride() or t.device != t0.device:
+                raise LayoutMismatch(
+                    f"KV tensors differ across layers: {tuple(t.shape)} {t.dtype} vs {tuple(t0.shape)} {t0.dtype}"
+                )
         self.tensors = list(layers)
         self.is_cuda = self.device.type == "cuda"
         views = [self._block_view(t) for t in layers]

@@ -465,8 +465,13 @@ class TieredStore:
         n_read = next((j for j, src in enumerate(sources) if src is None), len(sources))
         # One batched verify+scatter of everything read; blocks after a failure are reported
         # failed below whatever their own status (the engine recomputes from the first one).
-        errors = decode_blocks(slab.array[:n_read * rb], layout, block_ids[start:start + n_read],
-                               namespace=self._ns_digest, keys=keys[start:start + n_read]) if n_read else []
+        try:
+            errors = decode_blocks(slab.array[:n_read * rb], layout, block_ids[start:start + n_read],
+                                   namespace=self._ns_digest, keys=keys[start:start + n_read]) if n_read else []
+        except Exception:  # not a bad record but a broken decode (e.g. CUDA OOM): fail the rest, keep serving
+            log.exception("decoding a load chunk failed; its blocks will be recomputed")
+            self.staging.release(slab)
+            return 0
         for j in range(n_read):
             src = sources[j]
             assert src is not None

@@ -266,3 +266,15 @@ def test_out_of_range_block_ids_refused_before_any_copy() -> None:
             codec.decode_blocks(buf, lay, [bad], namespace=NS.digest, keys=keys)
         with pytest.raises(IndexError):
             codec.decode_block(buf, lay, bad, namespace=NS.digest, key=keys[0])
+
+
+def test_layers_of_different_geometry_are_refused() -> None:
+    a = torch.zeros(2, 64, 4, 2, 8, dtype=torch.bfloat16)
+    b = torch.zeros(2, 4, 4, 2, 8, dtype=torch.bfloat16)  # fewer blocks: would let ids run past its end
+    with pytest.raises(LayoutMismatch, match="differ across layers"):
+        EngineLayout(EngineLayoutKind.FLASH_ATTN, [a, b], 4, 2, 8)
+
+
+def test_decode_blocks_checks_key_lengths() -> None:
+    with pytest.raises(ValueError, match="16 bytes"):
+        codec.decode_blocks(REC, LAY, [0], namespace=NS.digest, keys=[b"short"])

@@ -25,8 +25,14 @@ NS = Namespace("tiny", "bfloat16", "VLLM_CPU", BS, LAYERS, HEADS, HEAD)
 
 
 def make_layout(num_blocks: int = 16, seed: int | None = None) -> EngineLayout:
-    tensors = allocate_engine_kv(EngineLayoutKind.VLLM_CPU, num_layers=LAYERS, num_blocks=num_blocks,
-                                 block_size=BS, num_kv_heads=HEADS, head_size=HEAD)
+    tensors = allocate_engine_kv(
+        EngineLayoutKind.VLLM_CPU,
+        num_layers=LAYERS,
+        num_blocks=num_blocks,
+        block_size=BS,
+        num_kv_heads=HEADS,
+        head_size=HEAD,
+    )
     if seed is not None:
         g = torch.Generator().manual_seed(seed)
         for t in tensors:
@@ -303,3 +309,21 @@ def test_chunked_load_pipelines_and_frees_every_slab_on_failure(pool: StagingPoo
         assert len(res.loaded_block_ids) == 6 and len(res.failed_block_ids) == 6
         store.drain(10)
         assert pool.free_count == 4  # prefetched chunks after the failure gave their slabs back
+
+
+def test_broken_decode_fails_the_load_and_frees_the_slab(pool: StagingPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import dynamo_tiered_kv.store as store_mod
+
+    keys = keys_for(3)
+    with make_store([HostTier(64 * REC, chunk_bytes=REC, pin=False)], pool) as store:
+        store.submit_offload(make_layout(seed=13), [1, 2, 3], keys, parents_of(keys))
+        assert store.drain(10)
+
+        def broken(*a, **k):
+            raise RuntimeError("simulated CUDA OOM in scatter")
+
+        monkeypatch.setattr(store_mod, "decode_blocks", broken)
+        for _ in range(3):  # more loads than slabs: a leak would starve the later ones
+            res = store.load(make_layout(), [4, 5, 6], keys, timeout=2)
+            assert res.loaded_block_ids == [] and res.failed_block_ids == [4, 5, 6]
+        assert pool.free_count == 4

@@ -63,10 +63,12 @@ class LayerTable:
 
     def __init__(self, layer_views: list[np.ndarray]) -> None:
         v0 = layer_views[0]
-        if any(v.strides != v0.strides or v.shape[1:] != v0.shape[1:] for v in layer_views):
+        if any(v.strides != v0.strides or v.shape != v0.shape for v in layer_views):
             raise ValueError("layer views differ in geometry")
         if v0.strides[2] != 1:
             raise ValueError("plane bytes must be contiguous")
+        if len(layer_views) > MAX_LAYERS:
+            raise ValueError(f"more than {MAX_LAYERS} layers")
         self.ptrs = np.array([v.ctypes.data for v in layer_views], dtype=np.uint64)  # kept alive here
         planes, plane_bytes = int(v0.shape[1]), int(v0.shape[2])
         block_stride, plane_stride = int(v0.strides[0]), int(v0.strides[1])
@@ -93,6 +95,8 @@ def verify_scatter(t: LayerTable, block_id: int, payload: np.ndarray, sums: np.n
     """-1 if every layer verified and was copied, else the first failing layer."""
     return int(_lib.dtkv_verify_scatter(XXH3, *t.geom, block_id, payload.ctypes.data, sums.ctypes.data))
 
+
+MAX_LAYERS = 1024  # DTKV_MAX_FAST_LAYERS in fastcodec.c; larger models take the Python path
 
 # status codes of decode_batch (negative; a value >= 0 is the first layer that failed its checksum)
 OK, BAD_MAGIC, BAD_VERSION, HEADER_CORRUPT, NAMESPACE, KEY, LAYOUT = -1, -2, -3, -4, -5, -6, -7

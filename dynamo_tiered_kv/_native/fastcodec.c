@@ -53,7 +53,8 @@ int64_t dtkv_verify_scatter(xxh3_fn xxh3, const uint64_t *layer_ptrs, int64_t nu
 
 /* Status codes of dtkv_decode_batch besides a layer number (>= 0) and DTKV_OK. */
 enum { DTKV_OK = -1, DTKV_BAD_MAGIC = -2, DTKV_BAD_VERSION = -3, DTKV_HEADER_CORRUPT = -4,
-       DTKV_NAMESPACE = -5, DTKV_KEY = -6, DTKV_LAYOUT = -7 };
+       DTKV_NAMESPACE = -5, DTKV_KEY = -6, DTKV_LAYOUT = -7, DTKV_UNSUPPORTED = -8 };
+#define DTKV_MAX_FAST_LAYERS 1024
 
 /* Verify header + identity of each record (laid back to back at record_bytes stride) and, when
  * they hold, verify and scatter its layers. `expect_desc` is the 56-byte layout descriptor
@@ -66,13 +67,16 @@ void dtkv_decode_batch(xxh3_fn xxh3, const uint64_t *layer_ptrs, int64_t num_lay
                        const uint8_t *expect_desc, const uint8_t *namespace_, const uint8_t *keys,
                        const int64_t *block_ids, int64_t n, int64_t *status) {
     const size_t table_bytes = (size_t)num_layers * 8;
-    uint8_t scratch[120 + 8 * 512];
+    if (num_layers <= 0 || num_layers > DTKV_MAX_FAST_LAYERS) { /* the caller uses the Python path */
+        for (int64_t i = 0; i < n; i++) status[i] = DTKV_UNSUPPORTED;
+        return;
+    }
+    uint8_t scratch[120 + 8 * DTKV_MAX_FAST_LAYERS];
+    uint64_t stored, sums[DTKV_MAX_FAST_LAYERS];
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *rec = records + i * record_bytes;
-        uint64_t stored, sums[num_layers];
         if (memcmp(rec, expect_prefix, 8) != 0) { status[i] = DTKV_BAD_MAGIC; continue; }
         if (memcmp(rec + 8, expect_prefix + 8, 2) != 0) { status[i] = DTKV_BAD_VERSION; continue; }
-        if (num_layers > 512) { status[i] = DTKV_HEADER_CORRUPT; continue; }
         memcpy(scratch, rec, 120);
         memcpy(scratch + 120, rec + 128, table_bytes);
         memcpy(&stored, rec + 120, 8);
