@@ -335,7 +335,11 @@ class TieredStore:
         if not reserved:
             with self._pending_lock:
                 self._pending += 1  # promotions and repairs are never refused: their slab is already ours
-        self._loop.call_soon_threadsafe(self._spawn, coro)
+        try:
+            self._loop.call_soon_threadsafe(self._spawn, coro)
+        except RuntimeError:  # the store closed under an engine call in flight: drop the work, never raise
+            coro.close()
+            self._finish_pending()
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
