@@ -158,6 +158,22 @@ def _sweep_partials(root: Path, older_than_s: float) -> int:
     return n
 
 
+async def _in_thread(fn, *args):
+    """``fn(*args)`` in a worker thread; cancellation returns only once the thread has finished.
+
+    A thread cannot be stopped, and it may be writing into the caller's buffers (``_get_range``):
+    raising ``CancelledError`` while it runs would let the caller reuse those buffers under it.
+    """
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        while not fut.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({fut})
+        raise
+
+
 class LocalDirBackend(ObjectBackend):
     """Objects as files under ``root`` (created if missing).
 
@@ -181,7 +197,7 @@ class LocalDirBackend(ObjectBackend):
 
     async def _io(self, fn, *args):
         try:
-            return await asyncio.to_thread(fn, *args)
+            return await _in_thread(fn, *args)
         except OSError as e:
             self.stats.failures += 1
             raise TierUnavailable(f"{self.url}: {e}") from e

@@ -268,11 +268,16 @@ class ObjectTier(Tier):
             runs.append((obj, run))
         if not runs:
             return results
+        tasks = [asyncio.ensure_future(self._read_run(o, run, results)) for o, run in runs]
         try:
-            await with_timeout(asyncio.gather(*(self._read_run(o, run, results) for o, run in runs)),
-                               self.read_timeout_s)
-        except (asyncio.TimeoutError, TimeoutError):
-            raise TierUnavailable(f"object tier read timed out after {self.read_timeout_s}s") from None
+            await with_timeout(asyncio.gather(*tasks), self.read_timeout_s)
+        except BaseException as e:
+            # The runs scatter into the callers' buffers, which the caller reuses once we raise:
+            # stop every run and wait until none of them can write any more.
+            await _cancel_and_wait(tasks)
+            if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
+                raise TierUnavailable(f"object tier read timed out after {self.read_timeout_s}s") from None
+            raise
         return results
 
     async def _read_run(self, obj: _Obj, run: list[_Want], results: list[int | None]) -> None:
@@ -421,3 +426,20 @@ def _file_digest(path: os.PathLike[str], size: int, entries: Sequence[SegmentEnt
         return content_digest(size, entries, lambda o, n: os.pread(fd, n, o))
     finally:
         os.close(fd)
+
+
+async def _cancel_and_wait(tasks: list[asyncio.Future[None]]) -> None:
+    """Cancel ``tasks`` and wait until every one has finished, even if we are cancelled meanwhile."""
+    for t in tasks:
+        t.cancel()
+    cancelled = False
+    while not all(t.done() for t in tasks):
+        try:
+            await asyncio.wait(tasks)
+        except asyncio.CancelledError:
+            cancelled = True
+    for t in tasks:  # mark their outcomes retrieved (the caller raises its own error)
+        if not t.cancelled():
+            t.exception()
+    if cancelled:
+        raise asyncio.CancelledError
