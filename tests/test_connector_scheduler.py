@@ -151,3 +151,91 @@ def test_lookup_over_socket_and_in_process() -> None:
         assert LookupClient(key, b"k").lookup([b"y" * 16]) == (1, ("host",))
     finally:
         unregister_local(key)
+
+
+class _FailingStore:
+    """Store stub: loads fail for ``bad`` blocks; offloads are recorded."""
+
+    def __init__(self, bad: set[int]) -> None:
+        self.bad = bad
+        self.offloads: list[list[int]] = []
+
+    def load(self, layout, ids, keys, timeout=None):
+        from dynamo_tiered_kv.store import LoadResult
+
+        ok = [b for b in ids if b not in self.bad]
+        return LoadResult(ok, [b for b in ids if b in self.bad], ["ssd"] * len(ok))
+
+    def submit_offload(self, layout, ids, keys, parents, first_index=0):
+        self.offloads.append(list(ids))
+        return True
+
+
+def _load_step_with_failure(r: SchedulerRole, req: FakeRequest, worker):
+    """Request of 22 tokens, 3 blocks stored, blocks 11 and 12 fail to load in the first step."""
+    ids = [10, 11, 12, 13, 14, 15]
+    n, _ = r.get_num_new_matched_tokens(req, 0)
+    assert n == 3 * BS
+    r.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (ids,)), n)
+    meta = r.build_connector_meta(sched_output(new=[("r", ids, n)], tokens={"r": 22 - n}))
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+    assert worker.get_block_ids_with_load_errors() == {11, 12}
+    return meta
+
+
+def _worker(store):
+    from dynamo_tiered_kv.connectors.vllm.worker import WorkerRole
+    from dynamo_tiered_kv.keys import Namespace
+
+    w = WorkerRole(TieredKVConfig.from_mapping({}), model_id="m", kv_dtype="bf16", block_size=BS, num_kv_heads=1,
+                   head_size=1, tp_rank=0, tp_size=1, engine_key="x", authkey=b"x")
+    w.store, w.layout = store, object()
+    w.namespace = Namespace("m", "bf16", "FLASH_ATTN", BS, 1, 1, 1)
+    return w
+
+
+def test_failed_load_saves_nothing_computed_on_it_and_saves_the_recomputed_blocks() -> None:
+    store = _FailingStore({11, 12})
+    r, w, req = role(FakeLookup(set())), _worker(store), FakeRequest("r", list(range(22)))
+    r._lookup = SimpleNamespace(lookup=lambda h: (3, ("ssd",) * 3), close=lambda: None)
+    meta = _load_step_with_failure(r, req, w)
+    assert meta.saves == [] and store.offloads == []  # blocks 13, 14 were computed over garbage
+    # vLLM rolls num_computed_tokens back to the first failed block (index 1) and recomputes.
+    meta = r.build_connector_meta(sched_output(cached=[("r", None, 1 * BS)], tokens={"r": 22 - BS}))
+    (save,) = meta.saves
+    assert save.block_ids == [11, 12, 13, 14] and save.first_index == 1
+    w.start_load_kv(meta)
+    w.wait_for_save(meta)
+    assert store.offloads == [[11, 12, 13, 14]]
+
+
+def test_load_outcome_in_flight_delays_saves_with_async_scheduling() -> None:
+    r, req = role(FakeLookup(set())), FakeRequest("r", list(range(22)))
+    r._lookup = SimpleNamespace(lookup=lambda h: (3, ("ssd",) * 3), close=lambda: None)
+    ids = [10, 11, 12, 13, 14, 15]
+    r.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (ids,)),
+                               r.get_num_new_matched_tokens(req, 0)[0])
+    assert r.build_connector_meta(sched_output(new=[("r", ids, 12)], tokens={"r": 10})).saves == []
+    # Next step is built while the load's step is still in flight (async scheduling): no save yet.
+    req.num_in_flight_tokens = 10
+    req.all_token_ids.append(99)
+    assert r.build_connector_meta(sched_output(cached=[("r", None, 22)], tokens={"r": 1})).saves == []
+    # The load's step came back fine; only the previous decode step is in flight.
+    req.num_in_flight_tokens = 1
+    req.all_token_ids.append(98)
+    (save,) = r.build_connector_meta(sched_output(cached=[("r", None, 23)], tokens={"r": 1})).saves
+    assert save.block_ids == [13, 14, 15] and save.first_index == 3
+
+
+def test_request_sharing_a_block_being_loaded_saves_nothing_that_step() -> None:
+    r = role(FakeLookup(set()))
+    r._lookup = SimpleNamespace(lookup=lambda h: (1, ("ssd",)), close=lambda: None)
+    a, b = FakeRequest("a", list(range(9))), FakeRequest("b", list(range(9)))
+    r.update_state_after_alloc(a, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3],)),
+                               r.get_num_new_matched_tokens(a, 0)[0])
+    r.get_num_new_matched_tokens(b, BS)  # the engine's prefix cache shares a's block 1 with b
+    r.update_state_after_alloc(b, SimpleNamespace(get_block_ids=lambda: ([1, 4, 5],)), 0)
+    meta = r.build_connector_meta(sched_output(new=[("a", [1, 2, 3], BS), ("b", [1, 4, 5], BS)],
+                                               tokens={"a": 5, "b": 5}))
+    assert [ld.block_ids for ld in meta.loads] == [[1]] and meta.saves == []

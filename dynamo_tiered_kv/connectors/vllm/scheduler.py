@@ -5,6 +5,11 @@ step's forward, and a failed block is reported through ``get_block_ids_with_load
 vLLM recomputes from it on. Saves are whole blocks that become full during a step; the worker
 copies them into staging inside that step's ``wait_for_save``, so by the time a request finishes
 its blocks are already out of the engine and ``request_finished`` never has to hold them.
+
+A request saves nothing until the outcome of its load is known: a block that failed to load
+holds garbage, everything computed over it too (on every TP rank, through the all-reduce), and
+vLLM recomputes from the failed block on. Once known, saves resume from vLLM's (rolled back)
+``num_computed_tokens``, so the recomputed blocks are stored.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ class _Req:
     num_local: int = 0  # tokens the engine's own prefix cache had
     saved: int = 0  # blocks [0, saved) are stored, loaded or deliberately skipped
     pending_load: LoadSpec | None = None
+    #: set while the outcome of a load is unknown: tokens scheduled for this request in the steps
+    #: after the load's step (with async scheduling those are built before the load's output)
+    after_load: int | None = None
 
     def hashes_upto(self, n: int) -> list[bytes]:
         tokens = self.request.all_token_ids
@@ -111,9 +119,11 @@ class SchedulerRole:
 
     def build_connector_meta(self, scheduler_output: Any) -> TieredKVMetadata:
         meta = TieredKVMetadata()
+        loading: set[int] = set()  # engine blocks restored in this step
         for st in self._reqs.values():
             if st.pending_load is not None:
                 meta.loads.append(st.pending_load)
+                loading.update(st.pending_load.block_ids)
                 st.pending_load = None
         computed: dict[str, int] = {}
         for nr in scheduler_output.scheduled_new_reqs:
@@ -138,7 +148,19 @@ class SchedulerRole:
             st = self._reqs[req_id]
             if st.ns is None:
                 continue
-            n_after = n_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            n_sched = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if not loading.isdisjoint(st.block_ids):
+                st.after_load = 0  # computes on blocks being loaded (its own, or shared with another)
+                continue
+            if st.after_load is not None:
+                if getattr(st.request, "num_in_flight_tokens", 0) > st.after_load:
+                    st.after_load += n_sched  # the load's step is still in flight
+                    continue
+                # The load's outcome is known: vLLM rolled num_computed_tokens back to the first
+                # failed block, and everything from there is recomputed, so save from there.
+                st.after_load = None
+                st.saved = min(st.saved, n_computed // bs)
+            n_after = n_computed + n_sched
             full = min(n_after, st.request.num_tokens) // bs
             full = min(full, len(st.block_ids))
             if full <= st.saved or full < self.min_prefix_blocks:
