@@ -239,3 +239,60 @@ def test_request_sharing_a_block_being_loaded_saves_nothing_that_step() -> None:
     meta = r.build_connector_meta(sched_output(new=[("a", [1, 2, 3], BS), ("b", [1, 4, 5], BS)],
                                                tokens={"a": 5, "b": 5}))
     assert [ld.block_ids for ld in meta.loads] == [[1]] and meta.saves == []
+
+
+def test_configured_model_id_overrides_the_engine_path_in_the_scheduler() -> None:
+    def hashes(engine_model: str, **cfg) -> list[bytes]:
+        r = SchedulerRole(TieredKVConfig.from_mapping(cfg), model_id=engine_model, block_size=BS,
+                          lookup=FakeLookup(set()))
+        return r._state(FakeRequest("x", list(range(8)))).hashes_upto(2)
+
+    assert hashes("/models/llama3", model_id="llama-3-8b") == hashes("meta-llama/Llama-3-8B", model_id="llama-3-8b")
+    assert hashes("/models/llama3") != hashes("meta-llama/Llama-3-8B")
+
+
+def test_model_revision_is_part_of_the_model_identity() -> None:
+    from dynamo_tiered_kv.connectors.vllm.connector import _model_id
+
+    assert _model_id(SimpleNamespace(model="org/m", revision=None)) == "org/m"
+    assert _model_id(SimpleNamespace(model="org/m", revision="v2")) == "org/m@v2"
+    assert _model_id(SimpleNamespace(model="org/m", revision="v2")) != _model_id(
+        SimpleNamespace(model="org/m", revision="v3"))
+
+
+def _kv_caches(num_layers: int, heads: int, head_size: int) -> dict:
+    from dynamo_tiered_kv.layout import EngineLayoutKind, allocate_engine_kv
+
+    ts = allocate_engine_kv(EngineLayoutKind.FLASH_ATTN, num_layers=num_layers, num_blocks=4, block_size=BS,
+                            num_kv_heads=heads, head_size=head_size)
+    return {f"model.layers.{i}.attn": t for i, t in enumerate(ts)}
+
+
+def _pp_worker(cfg: dict, **kw):
+    from dynamo_tiered_kv.connectors.vllm.worker import WorkerRole
+
+    args = {"tp_rank": 1, "tp_size": 2, "pp_rank": 1, "pp_size": 2, "dp_rank": 1, "num_kv_heads": 2,
+            "head_size": 8, **kw}
+    return WorkerRole(TieredKVConfig.from_mapping(cfg), model_id="m", kv_dtype="bfloat16", block_size=BS,
+                      engine_key=f"test-{uuid.uuid4().hex[:8]}", authkey=b"k", **args)
+
+
+def test_worker_namespace_and_store_rank_name_the_pipeline_stage(tmp_path) -> None:
+    w = _pp_worker({"ssd_dir": str(tmp_path), "host_capacity_bytes": 0})
+    w.register_kv_caches(_kv_caches(2, 2, 8))
+    try:
+        assert (w.namespace.pp_rank, w.namespace.pp_size) == (1, 2)
+        (ssd,) = w.store.tiers
+        assert ssd.rank == (1 * 2 + 1) * 2 + 1  # (dp * pp_size + pp) * tp_size + tp: unique on the host
+    finally:
+        w.shutdown()
+
+
+def test_block_record_larger_than_a_staging_slab_fails_at_startup() -> None:
+    from dynamo_tiered_kv.errors import ConfigError
+
+    w = _pp_worker({"staging_slab_bytes": 64 * 1024}, tp_size=1, pp_size=1, pp_rank=0, tp_rank=0,
+                   num_kv_heads=8, head_size=128)
+    with pytest.raises(ConfigError, match=r"staging_slab_bytes.*at least \d{6}"):
+        w.register_kv_caches(_kv_caches(8, 8, 128))  # 8 layers x 16 KiB payload: 128 KiB and headers per record
+    assert w.store is None

@@ -42,12 +42,19 @@ def _kv_dtype(vllm_config: Any) -> str:
     return str(vllm_config.model_config.dtype).removeprefix("torch.")
 
 
+def _model_id(model_config: Any) -> str:
+    """The weights' identity: the model name plus its revision, so a new checkpoint never reuses old KV."""
+    model = str(model_config.model)
+    revision = getattr(model_config, "revision", None)
+    return f"{model}@{revision}" if revision else model
+
+
 class TieredKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.config = TieredKVConfig.from_mapping(dict(ktc.kv_connector_extra_config or {}))
-        model_id = str(vllm_config.model_config.model)
+        model_id = _model_id(vllm_config.model_config)
         block_size = int(vllm_config.cache_config.block_size)
         pc = vllm_config.parallel_config
         key = engine_key(str(ktc.engine_id), int(getattr(pc, "data_parallel_rank", 0) or 0))
@@ -67,7 +74,9 @@ class TieredKVConnector(KVConnectorBase_V1):
                 self.config, model_id=model_id, kv_dtype=_kv_dtype(vllm_config), block_size=block_size,
                 num_kv_heads=int(mc.get_num_kv_heads(pc)), head_size=int(mc.get_head_size()), tp_rank=tp_rank,
                 tp_size=int(pc.tensor_parallel_size), engine_key=key, authkey=authkey,
-                is_mla=bool(getattr(mc, "use_mla", False)),
+                is_mla=bool(getattr(mc, "use_mla", False)), pp_rank=_pp_rank(),
+                pp_size=int(getattr(pc, "pipeline_parallel_size", 1) or 1),
+                dp_rank=int(getattr(pc, "data_parallel_rank", 0) or 0),
             )
 
     # --- worker side ------------------------------------------------------------------------
@@ -143,5 +152,14 @@ def _tp_rank() -> int:
         from vllm.distributed import get_tensor_model_parallel_rank
 
         return int(get_tensor_model_parallel_rank())
+    except Exception:  # not initialised (unit tests)
+        return 0
+
+
+def _pp_rank() -> int:
+    try:
+        from vllm.distributed import get_pp_group
+
+        return int(get_pp_group().rank_in_group)
     except Exception:  # not initialised (unit tests)
         return 0

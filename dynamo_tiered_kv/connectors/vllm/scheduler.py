@@ -60,7 +60,7 @@ class SchedulerRole:
                  kv_events: bool = False) -> None:
         self.config = config
         self.block_size = block_size
-        self.model_id = model_id
+        self.model_id = config.model_id or model_id  # the worker's rule: their namespaces must agree
         self._salt = config.tenant_salt.get_secret_value()
         self._lookup = lookup
         self._reqs: dict[str, _Req] = {}

@@ -8,7 +8,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from ...codec import record_bytes
 from ...config import TieredKVConfig
+from ...errors import ConfigError
+from ...factory import build_store
 from ...keys import ROOT_KEY, Namespace, engine_block_key
 from ...layout import EngineLayout
 from ...store import TieredStore
@@ -19,48 +22,13 @@ log = logging.getLogger(__name__)
 _SERVED_HISTORY = 1024
 
 
-def build_store(config: TieredKVConfig, namespace: Namespace) -> TieredStore:
-    """The lead's ``factory.build_store`` when present, else ``_fallback_store``."""
-    try:
-        from ...factory import build_store as factory_build
-    except ImportError:
-        return _fallback_store(config, namespace)
-    return factory_build(config, namespace)
-
-
-def _fallback_store(config: TieredKVConfig, namespace: Namespace) -> TieredStore:
-    """Host, then SSD (``ssd_dir``), then objects (``object_url``, written through, no flusher)."""
-    from ...staging import StagingPool
-    from ...tiers.host import HostTier
-
-    tiers: list = []
-    if config.host_capacity_bytes:
-        tiers.append(HostTier(config.host_capacity_bytes))
-    if config.ssd_dir is not None:
-        from ...tiers.ssd import SSDTier
-
-        tiers.append(SSDTier(config.ssd_dir, capacity_bytes=config.ssd_capacity_bytes,
-                             segment_bytes=config.ssd_segment_bytes, rank=namespace.tp_rank, io=config.ssd_io,
-                             idle_seal_s=config.ssd_seal_idle_s))
-    if config.object_url is not None:
-        from ...tiers.objectstore import ObjectTier, backend_from_url
-
-        s3 = {"endpoint_url": config.s3_endpoint_url} if config.object_url.startswith("s3://") else {}
-        tiers.append(ObjectTier(backend_from_url(config.object_url, **s3), ttl_s=config.object_ttl_s))
-    ttls = [config.host_ttl_s] * bool(config.host_capacity_bytes)
-    ttls += [config.ssd_ttl_s] * (config.ssd_dir is not None) + [config.object_ttl_s] * (config.object_url is not None)
-    staging = StagingPool(config.staging_slab_bytes, config.staging_slabs)
-    return TieredStore(tiers, namespace, staging, admission=config.admission,
-                       min_prefix_blocks=config.min_prefix_blocks, max_pending_offloads=config.max_pending_offloads,
-                       write_depth=len(tiers), ttl_s=ttls, metrics_port=config.metrics_port)
-
-
 class WorkerRole:
     """Args mirror what vLLM knows at worker start; the store is built in ``register_kv_caches``."""
 
     def __init__(self, config: TieredKVConfig, *, model_id: str, kv_dtype: str, block_size: int,
                  num_kv_heads: int, head_size: int, tp_rank: int, tp_size: int, engine_key: str,
-                 authkey: bytes, is_mla: bool = False) -> None:
+                 authkey: bytes, is_mla: bool = False, pp_rank: int = 0, pp_size: int = 1,
+                 dp_rank: int = 0) -> None:
         self.config = config
         self.model_id = model_id
         self.kv_dtype = kv_dtype
@@ -68,6 +36,8 @@ class WorkerRole:
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.pp_rank, self.pp_size = pp_rank, pp_size
+        self.dp_rank = dp_rank
         self.is_mla = is_mla
         self.engine_key = engine_key
         self._authkey = authkey
@@ -91,11 +61,18 @@ class WorkerRole:
         self.namespace = Namespace(self.config.model_id or self.model_id, self.kv_dtype, layout.kind.name,
                                    layout.shape.block_size, layout.shape.num_layers, layout.shape.num_kv_heads,
                                    layout.shape.head_size, self.tp_rank, self.tp_size,
-                                   tenant_salt=self.config.tenant_salt.get_secret_value())
-        self.store = build_store(self.config, self.namespace)
+                                   tenant_salt=self.config.tenant_salt.get_secret_value(),
+                                   pp_rank=self.pp_rank, pp_size=self.pp_size)
+        need = record_bytes(layout.shape)
+        if need > self.config.staging_slab_bytes:
+            raise ConfigError(f"staging_slab_bytes={self.config.staging_slab_bytes} cannot hold one block record "
+                              f"of this model ({need} bytes): set staging_slab_bytes to at least {need}")
+        # Unique per worker process on the host: names its SSD directory and offsets its metrics port.
+        rank = (self.dp_rank * self.pp_size + self.pp_rank) * self.tp_size + self.tp_rank
+        self.store = build_store(self.config, self.namespace, rank=rank)
         log.info("TieredKVConnector worker: layout %s %s, %d blocks, tiers %s", layout.kind.name, layout.shape,
                  layout.num_blocks, [t.name for t in self.store.tiers])
-        if self.tp_rank == 0:
+        if self.tp_rank == 0 and self.pp_rank == 0:  # one lookup server per engine
             register_local(self.engine_key, self.lookup)
             try:
                 self._server = LookupServer(self.engine_key, self.lookup, self._authkey)
