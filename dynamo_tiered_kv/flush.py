@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from .tiers.objectstore.retry import wait_event
+from .tiers.objectstore.threads import run_in_thread
 from .tiers.objectstore.tier import ObjectTier
 from .tiers.segments import SealedSegment, SegmentSource
 
@@ -84,6 +85,7 @@ class Flusher:
         self._idle: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._flushed_meanwhile: set[str] | None = None  # set while a scan lists the source
 
     # --- control ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -129,7 +131,7 @@ class Flusher:
         while True:
             self._idle.clear()
             self.notify()
-            if not self.source.unflushed_segments() and not self._pending:
+            if not await run_in_thread(self.source.unflushed_segments) and not self._pending:
                 return True
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -150,14 +152,22 @@ class Flusher:
         while True:
             self._wake.clear()
             try:
-                self._scan()
+                await self._scan()
             except Exception as e:  # the SSD tier failed to list: try again next time
                 log.warning("flusher: listing unflushed segments failed: %s", e)
             await wait_event(self._wake, self.scan_interval_s)
 
-    def _scan(self) -> None:
+    async def _scan(self) -> None:
         assert self._queue is not None
-        segs = self.source.unflushed_segments()
+        # Listing reads segment footers: off the loop. A worker that completes meanwhile has left
+        # ``_pending`` already; ``_flushed_meanwhile`` keeps its segment from being queued again.
+        flushed: set[str] = set()
+        self._flushed_meanwhile = flushed
+        try:
+            segs = await run_in_thread(self.source.unflushed_segments)
+        finally:
+            self._flushed_meanwhile = None
+        segs = [s for s in segs if s.segment_id not in flushed]
         self._unflushed = {s.segment_id: s for s in segs}
         now = time.monotonic()
         for s in segs:
@@ -196,7 +206,7 @@ class Flusher:
             return
         try:
             await self.tier.publish_segment(seg)
-            self.source.mark_flushed(sid)
+            await run_in_thread(self.source.mark_flushed, sid)  # fsyncs: off the loop
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -211,5 +221,7 @@ class Flusher:
             self.source.unpin_segment(sid)
         self._retry_at.pop(sid, None)
         self._unflushed.pop(sid, None)
+        if self._flushed_meanwhile is not None:
+            self._flushed_meanwhile.add(sid)
         self._stats = replace(self._stats, flushed_segments=self._stats.flushed_segments + 1,
                               flushed_bytes=self._stats.flushed_bytes + seg.size)

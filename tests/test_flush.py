@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -192,3 +193,76 @@ async def test_reflush_is_idempotent(tmp_path: Path) -> None:
 def test_rejects_bad_settings(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         Flusher(FakeSegmentSource(tmp_path), ObjectTier(LocalDirBackend(tmp_path)), max_queue=0)
+
+
+class ThreadRecordingSource(FakeSegmentSource):
+    """Records the thread of each blocking call (listing reads footers; marking fsyncs)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.threads: dict[str, set[int]] = {"unflushed_segments": set(), "mark_flushed": set()}
+
+    def unflushed_segments(self):  # type: ignore[no-untyped-def]
+        self.threads["unflushed_segments"].add(threading.get_ident())
+        return super().unflushed_segments()
+
+    def mark_flushed(self, segment_id: str) -> None:
+        self.threads["mark_flushed"].add(threading.get_ident())
+        super().mark_flushed(segment_id)
+
+
+async def test_disk_io_of_the_source_runs_off_the_event_loop(tmp_path: Path) -> None:
+    src = ThreadRecordingSource(tmp_path / "ssd")
+    made = [src.add_segment(2, seed=s) for s in range(2)]
+    tier = ObjectTier(LocalDirBackend(tmp_path / "obj"))
+    await tier.open()
+    fl = Flusher(src, tier, scan_interval_s=0.05)
+    await fl.start()
+    try:
+        assert await fl.drain(timeout=30)
+    finally:
+        await fl.stop()
+        await tier.close()
+    assert all(src.is_flushed(s.segment_id) for s, _ in made)
+    assert all(src.threads.values()), src.threads
+    loop_thread = threading.get_ident()
+    assert all(loop_thread not in t for t in src.threads.values()), "the flusher blocked the event loop"
+
+
+async def test_segment_flushed_during_a_scan_is_not_queued_again(tmp_path: Path) -> None:
+    """A listing that started before a worker finished returns that segment as unflushed: stale."""
+    src = ThreadRecordingSource(tmp_path / "ssd")
+    seg, _ = src.add_segment(2, seed=0)
+    tier = ObjectTier(LocalDirBackend(tmp_path / "obj"))
+    await tier.open()
+    fl = Flusher(src, tier, scan_interval_s=0.02)
+    uploading = threading.Event()
+    overlaps = 0
+    listed, publish = src.unflushed_segments, tier.publish_segment
+
+    async def slow_publish(s):  # type: ignore[no-untyped-def]
+        uploading.set()
+        await asyncio.sleep(0.2)  # several scans start meanwhile
+        return await publish(s)
+
+    def slow_listing():  # type: ignore[no-untyped-def]
+        nonlocal overlaps
+        segs = listed()
+        if segs and uploading.is_set() and fl._stats.flushed_segments == 0:
+            overlaps += 1
+            deadline = time.monotonic() + 10
+            while fl._stats.flushed_segments == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)  # return the stale list only after the worker finished
+        return segs
+
+    src.unflushed_segments = slow_listing  # type: ignore[method-assign]
+    tier.publish_segment = slow_publish  # type: ignore[method-assign]
+    await fl.start()
+    try:
+        assert await fl.drain(timeout=30)
+        await asyncio.sleep(0.2)  # a few more scans
+    finally:
+        await fl.stop()
+        await tier.close()
+    assert overlaps and src.is_flushed(seg.segment_id)
+    assert fl.stats.flushed_segments == 1 and tier.stats.objects_deduplicated == 0

@@ -5,12 +5,12 @@ Object ``name`` is the file ``root/name``. Publishing writes a temp file ``.<bas
 renames it into place (``os.replace``, or ``os.link`` for ``if_absent`` so an existing object is
 never replaced) and ``fsync``s the directory. A crash leaves either the old state or the whole
 object, plus at most a temp file that listing ignores and GC removes. Every blocking syscall
-runs in a worker thread (module-level helpers below), never on the event loop.
+runs in a worker thread (module-level helpers below), never on the event loop, and a cancelled
+caller waits for its thread (``run_in_thread``): no write into its buffers after it returns.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import os
@@ -22,6 +22,7 @@ from pathlib import Path
 from ..._fileio import fsync_dir
 from ...errors import TierUnavailable
 from .backend import FileSource, ObjectBackend, ObjectInfo, Source
+from .threads import run_in_thread
 
 _COPY_CHUNK = 8 << 20
 _PARTIAL = ".partial"
@@ -158,22 +159,6 @@ def _sweep_partials(root: Path, older_than_s: float) -> int:
     return n
 
 
-async def _in_thread(fn, *args):
-    """``fn(*args)`` in a worker thread; cancellation returns only once the thread has finished.
-
-    A thread cannot be stopped, and it may be writing into the caller's buffers (``_get_range``):
-    raising ``CancelledError`` while it runs would let the caller reuse those buffers under it.
-    """
-    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        while not fut.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait({fut})
-        raise
-
-
 class LocalDirBackend(ObjectBackend):
     """Objects as files under ``root`` (created if missing).
 
@@ -197,7 +182,7 @@ class LocalDirBackend(ObjectBackend):
 
     async def _io(self, fn, *args):
         try:
-            return await _in_thread(fn, *args)
+            return await run_in_thread(fn, *args)
         except OSError as e:
             self.stats.failures += 1
             raise TierUnavailable(f"{self.url}: {e}") from e

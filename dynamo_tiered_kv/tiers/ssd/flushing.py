@@ -61,14 +61,15 @@ class SegmentSourceMixin:
                           key=lambda s: s.seq)
         out = []
         for s in segs:
-            if s.sealed_entries is None:
+            entries = s.sealed_entries  # read once: a concurrent mark_flushed may clear it
+            if entries is None:
                 footer = read_footer_at(s.path, s.size)
                 if footer is None:
                     continue
-                s.sealed_entries = tuple(SegmentEntry(k, o, n) for k, o, n in zip(
+                entries = s.sealed_entries = tuple(SegmentEntry(k, o, n) for k, o, n in zip(
                     footer.entries["key"].tolist(), footer.entries["offset"].tolist(),
                     footer.entries["length"].tolist()))
-            out.append(SealedSegment(self._segment_id(s.seq), s.path, s.size, s.sealed_entries, s.sealed_at))
+            out.append(SealedSegment(self._segment_id(s.seq), s.path, s.size, entries, s.sealed_at))
         return out
 
     def mark_flushed(self, segment_id: str) -> None:
