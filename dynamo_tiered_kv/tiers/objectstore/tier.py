@@ -13,7 +13,9 @@
 * Capacity: when live bytes exceed ``capacity_bytes`` the oldest objects are dropped (manifest
   deleted; the data becomes an orphan that ``gc`` removes after its grace period, so readers
   that still hold the old index keep working meanwhile).
-* Faults surface as ``TierUnavailable`` within ``read_timeout_s``; the store treats them as misses.
+* Faults surface as ``TierUnavailable`` within ``read_timeout_s`` (plus the end of a local-directory
+  pread already running); the store treats them as misses. When ``read_many`` returns or raises,
+  none of its GETs can write into the callers' buffers any more (a failed read stops the rest).
 """
 
 from __future__ import annotations
