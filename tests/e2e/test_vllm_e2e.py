@@ -126,11 +126,16 @@ def test_corrupt_segment_is_recomputed(world: dict) -> None:
     raw[4 * hdr.record_bytes + hdr.header_bytes + 100] ^= 0xFF
     victim.write_bytes(bytes(raw))
     cfg = {**world["cfg"], "ssd_dir": str(root / "ssd-corrupt"), "object_url": None}
-    (r,) = run_phase(root, "corrupt", cfg)
+    r, again = run_phase(root, "corrupt", cfg, rounds=[{}, {"reset_prefix_cache": True}])
     assert r["outputs"] == world["store"]["outputs"]  # the damaged blocks were recomputed
     assert r["metrics"].get("checksum_failures_total{ssd}", 0) >= 1
     assert r["metrics"].get("load_failed_blocks_total", 0) >= 1
     assert 0 < _hits(r, "ssd") < 15  # blocks before the damage still came from the store
+    # The recomputed blocks were stored again (not skipped as if the failed load had succeeded):
+    # the next round restores every block, with no new load failure.
+    assert again["outputs"] == world["store"]["outputs"]
+    assert again["num_cached_tokens"] == EXPECT_CACHED
+    assert again["metrics"].get("load_failed_blocks_total", 0) == r["metrics"]["load_failed_blocks_total"]
 
 
 def test_multiprocess_engine_looks_up_over_the_socket(world: dict) -> None:
