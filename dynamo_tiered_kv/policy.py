@@ -12,11 +12,12 @@ AdmissionPolicy = Literal["always", "second_hit"]
 
 
 class Admission:
-    """Which lower tiers a block is written to. The host tier (index 0) admits everything.
+    """Which tiers a block is written to. Memory tiers admit everything; the rule guards storage.
 
     ``always``: every offloaded block goes down to every written tier.
-    ``second_hit``: a block goes below the host tier only once it has been seen twice (offloaded
-    or loaded again), kvblockd's rule: one-off prefixes never cost SSD writes.
+    ``second_hit``: a block goes to a storage tier (SSD, objects) only once it has been seen twice
+    (offloaded or loaded again), kvblockd's rule: one-off prefixes never cost SSD writes. This
+    holds also when there is no host tier.
     ``min_prefix_blocks``: sequences shorter than this are not offloaded at all.
     """
 
@@ -39,8 +40,9 @@ class Admission:
                 self._seen.popitem(last=False)
             return n
 
-    def admits(self, tier_index: int, sightings: int) -> bool:
-        return tier_index == 0 or self.policy == "always" or sightings >= 2
+    def admits(self, medium: str, sightings: int) -> bool:
+        """``medium``: the tier's ``capabilities.medium`` ("host" is memory, always admitted)."""
+        return medium == "host" or self.policy == "always" or sightings >= 2
 
 
 class Retention:

@@ -281,7 +281,7 @@ class TieredStore:
         for i, k in enumerate(keys):
             seen = self.admission.sight(k)
             targets = [ti for ti in range(self.write_depth)
-                       if not self.tiers[ti].contains(k) and self.admission.admits(ti, seen)]
+                       if not self.tiers[ti].contains(k) and self._admits(ti, seen)]
             if targets:
                 todo.append((i, targets))
         if not todo:
@@ -329,6 +329,9 @@ class TieredStore:
             self._pending -= 1
             if self._pending == 0:
                 self._idle.notify_all()
+
+    def _admits(self, ti: int, sightings: int) -> bool:
+        return self.admission.admits(self.tiers[ti].capabilities.medium, sightings)
 
     def _schedule(self, coro, *, reserved: bool = False) -> None:
         """Run ``coro`` on the loop; ``drain`` waits for it. ``reserved``: the caller already counted it."""
@@ -494,7 +497,7 @@ class TieredStore:
             ok += 1
             seen = self.admission.sight(k)
             targets = [ti for ti in range(self.write_depth)
-                       if ti != src and not self.tiers[ti].contains(k) and self.admission.admits(ti, seen)]
+                       if ti != src and not self.tiers[ti].contains(k) and self._admits(ti, seen)]
             if targets:
                 promote.append((j, k, targets))
         if promote:

@@ -17,7 +17,7 @@ from dynamo_tiered_kv.keys import Namespace, chain_keys, parents_of
 from dynamo_tiered_kv.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from dynamo_tiered_kv.staging import StagingPool
 from dynamo_tiered_kv.store import Admission, TieredStore
-from dynamo_tiered_kv.tiers.base import ByteRange, Tier
+from dynamo_tiered_kv.tiers.base import ByteRange, Tier, TierCapabilities
 from dynamo_tiered_kv.tiers.host import HostTier
 
 BS, LAYERS, HEADS, HEAD = 16, 2, 2, 32
@@ -57,6 +57,9 @@ class NamedHost(HostTier):
     def __init__(self, name: str, capacity: int) -> None:
         super().__init__(capacity, chunk_bytes=REC, pin=False)
         self.name = name
+        # report the medium of the tier it stands in for: admission treats storage differently
+        self.capabilities = TierCapabilities(medium=name if name in ("ssd", "object") else "host",
+                                             durable=False, shared=False)
 
 
 class GatedTier(NamedHost):
@@ -327,3 +330,16 @@ def test_broken_decode_fails_the_load_and_frees_the_slab(pool: StagingPool, monk
             res = store.load(make_layout(), [4, 5, 6], keys, timeout=2)
             assert res.loaded_block_ids == [] and res.failed_block_ids == [4, 5, 6]
         assert pool.free_count == 4
+
+
+def test_second_hit_guards_storage_even_without_a_host_tier(pool: StagingPool) -> None:
+    ssd = NamedHost("ssd", 64 * REC)
+    keys = keys_for(2)
+    with make_store([ssd], pool, admission=Admission("second_hit")) as store:
+        layout = make_layout(seed=14)
+        store.submit_offload(layout, [1, 2], keys, parents_of(keys))
+        store.drain(10)
+        assert not any(ssd.contains(k) for k in keys)  # seen once: not worth an SSD write
+        store.submit_offload(layout, [1, 2], keys, parents_of(keys))
+        store.drain(10)
+        assert all(ssd.contains(k) for k in keys)
