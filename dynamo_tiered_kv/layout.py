@@ -130,10 +130,10 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 class EngineLayout:
     """Binds an engine's KV tensors to a BlockShape and copies blocks between them and records.
 
-    ``gather_layer`` / ``scatter_layer`` move one layer of one block between the engine and a
-    1-D uint8 destination of ``shape.layer_bytes``. On CPU tensors they are numpy copies on
-    prebuilt byte views (no per-call allocation); on CUDA tensors they are torch copies into a
-    (pinned) host tensor, and the caller synchronizes before reading the bytes.
+    ``layer_views`` are per-layer byte views ``[block][plane][bytes]`` (numpy on CPU, torch on
+    CUDA) built once, which the codec and ``kernels/`` copy from and to. ``gather_layer`` copies
+    one layer of one block into a 1-D uint8 destination (tools and tests); on CUDA the copy is
+    asynchronous and the caller synchronizes before reading the bytes.
     """
 
     def __init__(
@@ -212,13 +212,6 @@ class EngineLayout:
             dest.view(src.shape).copy_(src, non_blocking=True)
         else:
             np.copyto(dest.reshape(src.shape), src)
-
-    def scatter_layer(self, block_id: int, layer: int, src) -> None:
-        dst = self.layer_views[layer][block_id]
-        if self.is_cuda:
-            dst.copy_(src.view(dst.shape), non_blocking=True)
-        else:
-            np.copyto(dst, src.reshape(dst.shape))
 
     def synchronize(self) -> None:
         if self.is_cuda:

@@ -42,9 +42,8 @@ async def _restore_all(tier: ObjectTier, segs: list, recs: list[list[bytes]]) ->
         assert tier.stats.gets - before == 1
 
 
-async def test_flushes_every_sealed_segment(tmp_path: Path) -> None:
-    src = FakeSegmentSource(tmp_path / "ssd")
-    made = [src.add_segment(8, seed=s) for s in range(3)]
+async def _flush_all(src, tmp_path: Path) -> Flusher:
+    """Run a flusher over ``src`` into a local-directory object tier until it has drained."""
     tier = ObjectTier(LocalDirBackend(tmp_path / "obj"))
     await tier.open()
     fl = Flusher(src, tier, scan_interval_s=0.05)
@@ -54,6 +53,13 @@ async def test_flushes_every_sealed_segment(tmp_path: Path) -> None:
     finally:
         await fl.stop()
         await tier.close()
+    return fl
+
+
+async def test_flushes_every_sealed_segment(tmp_path: Path) -> None:
+    src = FakeSegmentSource(tmp_path / "ssd")
+    made = [src.add_segment(8, seed=s) for s in range(3)]
+    fl = await _flush_all(src, tmp_path)
     assert all(src.is_flushed(s.segment_id) for s, _ in made)
     st = fl.stats
     assert st.flushed_segments == 3 and st.flushed_bytes == sum(s.size for s, _ in made)
@@ -214,15 +220,7 @@ class ThreadRecordingSource(FakeSegmentSource):
 async def test_disk_io_of_the_source_runs_off_the_event_loop(tmp_path: Path) -> None:
     src = ThreadRecordingSource(tmp_path / "ssd")
     made = [src.add_segment(2, seed=s) for s in range(2)]
-    tier = ObjectTier(LocalDirBackend(tmp_path / "obj"))
-    await tier.open()
-    fl = Flusher(src, tier, scan_interval_s=0.05)
-    await fl.start()
-    try:
-        assert await fl.drain(timeout=30)
-    finally:
-        await fl.stop()
-        await tier.close()
+    await _flush_all(src, tmp_path)
     assert all(src.is_flushed(s.segment_id) for s, _ in made)
     assert all(src.threads.values()), src.threads
     loop_thread = threading.get_ident()
