@@ -272,3 +272,79 @@ async def test_record_that_cannot_fit_raises_without_evicting(tmp_path: Path) ->
         assert all(t.contains(k) for k, _ in items), "a write that cannot fit must not evict anything"
     finally:
         await t.close()
+
+
+async def test_eviction_reads_footer_and_unlinks_without_the_index_lock(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from dynamo_tiered_kv.tiers.ssd import tier as tier_mod
+
+    t = await opened(tmp_path, capacity_bytes=1 << 20, segment_bytes=256 << 10)
+    held_during_io: list[bool] = []
+    real_read_footer = tier_mod.read_footer_at
+    real_unlink = Path.unlink
+
+    def lock_held() -> bool:
+        free = t._lock.acquire(blocking=False)
+        if free:
+            t._lock.release()
+        return not free
+
+    def footer_probe(*a, **kw):
+        held_during_io.append(lock_held())
+        return real_read_footer(*a, **kw)
+
+    def unlink_probe(self: Path, missing_ok: bool = False) -> None:
+        if self.parent == t.rank_dir:
+            held_during_io.append(lock_held())
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(tier_mod, "read_footer_at", footer_probe)
+    monkeypatch.setattr(Path, "unlink", unlink_probe)
+    try:
+        items = [rec(i) for i in range(200)]  # 2.4 MiB through a 1 MiB budget
+        for i in range(0, len(items), 10):
+            await t.write_many(items[i:i + 10])
+        assert len(held_during_io) >= 2 and not any(held_during_io)
+        assert t.usage().used_bytes <= 1 << 20
+        newest = items[-1]
+        assert await read(t, newest[0]) == newest[1]
+    finally:
+        monkeypatch.undo()
+        await t.close()
+
+
+async def test_close_waits_for_reads_in_flight_instead_of_closing_their_files(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+    import threading
+
+    from dynamo_tiered_kv.tiers.ssd import tier as tier_mod
+
+    t = await opened(tmp_path)
+    items = [rec(i) for i in range(4)]
+    await t.write_many(items)
+    await t.seal()
+    entered, go = threading.Event(), threading.Event()
+    real = tier_mod.read_extent
+
+    def slow_read(*a, **kw):
+        entered.set()
+        assert go.wait(10)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tier_mod, "read_extent", slow_read)
+    n = len(items[0][1])
+    bufs = [bytearray(n) for _ in items]
+    async def close_during_read() -> None:
+        assert await asyncio.to_thread(entered.wait, 10)
+
+        async def release_later() -> None:
+            await asyncio.sleep(0.2)  # close runs its writer-thread part with the read still parked
+            go.set()
+
+        await asyncio.gather(t.close(), release_later())
+
+    got, _ = await asyncio.gather(t.read_many([ReadRequest(k, memoryview(b)) for (k, _), b in zip(items, bufs)]),
+                                  close_during_read())
+    assert got == [n] * len(items)
+    assert [bytes(b) for b in bufs] == [v for _, v in items]

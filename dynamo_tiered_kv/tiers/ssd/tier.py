@@ -10,7 +10,7 @@ least recently used first. Format, crash contract and concurrency rule: docs/SSD
 
 Threads: all mutations (append, seal, delete, evict) run on one writer thread, so appends are
 ordered; reads run in the default executor concurrently with it. ``self._lock`` guards the index
-and segment table, never I/O except the small footer read during an eviction.
+and segment table, never I/O.
 """
 
 from __future__ import annotations
@@ -184,9 +184,11 @@ class SSDTier(SegmentSourceMixin, Tier):
             self._drop_state()  # a half-recovered index must not serve anything
 
     def _drop_state(self) -> None:
+        """Forget every segment. A read still in flight keeps its fd: ``_release`` closes it."""
         with self._lock:
             for seg in self._segments.values():
-                if self._io is not None:
+                seg.dead = True
+                if self._io is not None and seg.readers == 0:
                     with contextlib.suppress(OSError):
                         self._io.close_fd(seg.fd)
             self._segments.clear()
@@ -407,6 +409,12 @@ class SSDTier(SegmentSourceMixin, Tier):
         return seg.sealed and not seg.dead and seg.pins == 0 and (seg.flushed or allow)
 
     def _make_room(self, need: int) -> None:
+        """Evict least recently used segments until ``need`` more bytes fit the budget.
+
+        Runs on the writer thread, the only one that adds or removes segments. The lock is held
+        only to pick a victim and to drop its index entries, never across the footer read or the
+        unlink, so lookups (``contains`` on the scheduler's hot path) never wait on the disk.
+        """
         while True:
             with self._lock:
                 if self._used + need <= self._capacity:
@@ -417,13 +425,21 @@ class SSDTier(SegmentSourceMixin, Tier):
                                    "evicting every evictable segment (sealed, not pinned, flushed or allowed "
                                    "unflushed) would not make room")
                 victim = min(victims, key=lambda s: s.last_used)
-                self._evict_locked(victim)
+            footer = read_footer_at(victim.path, victim.size)
+            with self._lock:
+                if not self._evictable(victim):  # the flusher pinned it meanwhile: pick again
+                    continue
+                self._evict_locked(victim, None if footer is None else footer.entries["key"].tolist())
+            for p in (victim.path, flushed_marker(victim.path)):
+                p.unlink(missing_ok=True)
+            metrics.EVICTED_SEGMENTS.inc()
+            metrics.USED_BYTES.set(self._used)
 
-    def _evict_locked(self, seg: SegmentState) -> None:
+    def _evict_locked(self, seg: SegmentState, keys: list[bytes] | None) -> None:
+        """Forget ``seg`` (its index entries, its bytes); its fd closes when the last reader leaves."""
         assert self._io is not None
-        footer = read_footer_at(seg.path, seg.size)
-        if footer is not None:
-            for key in footer.entries["key"].tolist():
+        if keys is not None:
+            for key in keys:
                 self._index.pop(key, only_seq=seg.seq)
         else:  # cannot happen for a file we sealed; fall back to a full index sweep
             for key in list(self._index.keys()):
@@ -431,12 +447,8 @@ class SSDTier(SegmentSourceMixin, Tier):
         del self._segments[seg.seq]
         seg.dead = True
         self._used -= seg.size
-        for p in (seg.path, flushed_marker(seg.path)):
-            p.unlink(missing_ok=True)
         if seg.readers == 0:
             self._io.close_fd(seg.fd)
-        metrics.EVICTED_SEGMENTS.inc()
-        metrics.USED_BYTES.set(self._used)
 
     # --- sealing ----------------------------------------------------------------------------
     async def seal(self) -> SealedSegment | None:
