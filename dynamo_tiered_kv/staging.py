@@ -97,9 +97,12 @@ class StagingPool:
         if pin is None:
             pin = torch.cuda.is_available()
         self.slab_bytes = slab_bytes
-        self.slabs = [Slab(i, slab_bytes, pin) for i in range(num_slabs)]
+        self._setup([Slab(i, slab_bytes, pin) for i in range(num_slabs)])
         self.pinned = all(s.pinned for s in self.slabs)
-        self._free = list(reversed(self.slabs))
+
+    def _setup(self, slabs: list) -> None:
+        self.slabs = slabs
+        self._free = list(reversed(slabs))
         self._cv = threading.Condition()
         self._closed = False
 

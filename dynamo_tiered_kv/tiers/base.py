@@ -20,8 +20,12 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..keys import BlockKey
+
+if TYPE_CHECKING:
+    from ..device_staging import DeviceSpan
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +43,7 @@ class ByteRange:
 @dataclass(frozen=True, slots=True)
 class ReadRequest:
     key: BlockKey
-    into: memoryview  # writable, at least the record (or range) length
+    into: memoryview | DeviceSpan  # writable, at least the record (or range) length; device: SSD GPU-direct only
     byte_range: ByteRange | None = None
 
 

@@ -16,3 +16,7 @@ DISABLED = Gauge("dtkv_ssd_disabled", "SSD tiers in this process that are disabl
 USED_BYTES = Gauge("dtkv_ssd_used_bytes", "Bytes of segment files held by the SSD tier")
 GDS_AVAILABLE = Gauge("dtkv_ssd_gds_available", "GPUDirect Storage probe verdict (1 usable, 0 host bounce)")
 IO_PATH = Gauge("dtkv_ssd_io_path", "I/O path in use (1 for the selected one)", ["path"])
+GPU_DIRECT_ACTIVE = Gauge("dtkv_ssd_gpu_direct_active", "SSD tiers moving records straight to/from device memory")
+GPU_DIRECT_BYTES = Counter("dtkv_ssd_gpu_direct_bytes", "Bytes moved between device memory and SSD", ["op"])
+GPU_DIRECT_FAILURES = Counter("dtkv_ssd_gpu_direct_failures",
+                              "GPU-direct transfers that failed; the tier then falls back to host bounce")

@@ -36,6 +36,7 @@ from ..base import ByteRange, ReadRequest, Tier, TierCapabilities, TierUsage, ch
 from ..segments import SealedSegment, SegmentEntry
 from . import metrics
 from .flushing import SegmentSourceMixin, SegmentState
+from .gds import DeviceIO, DeviceSpan
 from .index import CompactIndex
 from .io import GdsVerdict, PosixIO, aligned_buffer, as_u8, gds_verdict, read_extent, select_io, write_extent
 from .recovery import fsync_dir, load_tombstones, recover_segments
@@ -82,6 +83,10 @@ class SSDTier(SegmentSourceMixin, Tier):
         write_retry_s: after a write failed with ENOSPC/EROFS/EIO the tier serves reads only and
             fails writes fast; the first write after this many seconds tries the device again.
         on_sealed: called on the writer thread with each newly sealed segment; keep it short.
+        device_io: GPU-direct transfers (NIXL GDS_MT) for records in registered device slabs:
+            ``write_many`` values and ``read_many`` destinations may then be ``DeviceSpan``s.
+            Used only over O_DIRECT files; the first failed transfer detaches it for good (log
+            line, ``dtkv_ssd_gpu_direct_failures``) and callers take the host-bounce path.
     """
 
     name = "ssd"
@@ -91,7 +96,8 @@ class SSDTier(SegmentSourceMixin, Tier):
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES, rank: int = 0, io: str = "auto",
                  allow_evict_unflushed: bool | None = None, fsync: bool = True, verify_reads: bool = False,
                  idle_seal_s: float | None = 60.0, write_retry_s: float = 30.0,
-                 on_sealed: Callable[[SealedSegment], None] | None = None) -> None:
+                 on_sealed: Callable[[SealedSegment], None] | None = None,
+                 device_io: DeviceIO | None = None) -> None:
         if capacity_bytes <= 0 or segment_bytes < 2 * ALIGN or rank < 0:
             raise ValueError("capacity_bytes and rank must be positive and segment_bytes at least 8 KiB")
         if io not in ("auto", "nixl", "odirect", "buffered"):
@@ -111,6 +117,7 @@ class SSDTier(SegmentSourceMixin, Tier):
         self._write_retry_s = write_retry_s
         self._readonly_at = 0.0
         self.on_sealed = on_sealed
+        self._device_io = device_io
 
         self._lock = threading.Lock()
         self._index = CompactIndex()
@@ -174,6 +181,15 @@ class SSDTier(SegmentSourceMixin, Tier):
             self._io = select_io(self.rank_dir, self._io_mode)
             metrics.IO_PATH.labels(self._io.name).set(1)
             self.gds = gds_verdict()
+            if self._device_io is not None:
+                if self._io.direct:
+                    metrics.GPU_DIRECT_ACTIVE.inc()
+                    log.info("SSD tier %s: GPU-direct transfers through NIXL %s", self.rank_dir,
+                             self._device_io.backend)
+                else:
+                    log.warning("SSD tier %s: GPU-direct needs O_DIRECT files, this filesystem refuses them; "
+                                "device records take the host-bounce path", self.rank_dir)
+                    self._device_io = None
             self._recover()
             self._tomb_fd = os.open(self.rank_dir / TOMBSTONE_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             if self._superseded_at_recovery:
@@ -190,7 +206,7 @@ class SSDTier(SegmentSourceMixin, Tier):
                 seg.dead = True
                 if self._io is not None and seg.readers == 0:
                     with contextlib.suppress(OSError):
-                        self._io.close_fd(seg.fd)
+                        self._close_fd(seg.fd)
             self._segments.clear()
             self._index.clear()
             self._open = None
@@ -226,6 +242,26 @@ class SSDTier(SegmentSourceMixin, Tier):
         log.info("SSD tier %s: recovered %d segments, %d blocks, %d bytes; io=%s", self.rank_dir,
                  len(recovered), len(self._index), self._used, self.io_path)
 
+    def _close_fd(self, fd: int) -> None:
+        assert self._io is not None
+        if self._device_io is not None:
+            self._device_io.forget(fd)
+        self._io.close_fd(fd)
+
+    @property
+    def device_io(self) -> DeviceIO | None:
+        """The GPU-direct path while it works (None before ``open``, without one, or after a failure)."""
+        return self._device_io if self.available else None
+
+    def _device_failed(self, op: str, e: OSError) -> None:
+        if self._device_io is None:
+            return
+        log.error("SSD tier %s: GPU-direct %s failed (%s); falling back to host bounce for good", self.rank_dir,
+                  op, e)
+        metrics.GPU_DIRECT_FAILURES.inc()
+        metrics.GPU_DIRECT_ACTIVE.dec()
+        self._device_io = None  # its fd registrations die with the agent; the fds stay ours
+
     def _disable(self, reason: str) -> None:
         log.error("SSD tier disabled (no SSD tier): %s", reason)
         self.disabled_reason = reason
@@ -241,6 +277,8 @@ class SSDTier(SegmentSourceMixin, Tier):
         if self._opened:
             await asyncio.get_running_loop().run_in_executor(self._writer, self._close_sync)
         self._writer.shutdown(wait=True)
+        if self._device_io is not None and self._opened:
+            metrics.GPU_DIRECT_ACTIVE.dec()
         if self.disabled_reason is not None:
             metrics.DISABLED.dec()
         if self._idle_thread is not None:
@@ -280,18 +318,27 @@ class SSDTier(SegmentSourceMixin, Tier):
     async def write(self, key: BlockKey, data: memoryview) -> None:
         await self.write_many([(key, data)])
 
-    async def write_many(self, items: Iterable[tuple[BlockKey, memoryview]]) -> None:
+    async def write_many(self, items: Iterable[tuple[BlockKey, memoryview | DeviceSpan]]) -> None:
         """Append the records in order; a run that fits one segment lands contiguously in it.
 
+        Values are host buffers, or (all of them) ``DeviceSpan``s when ``device_io`` is set.
+
         Raises:
-            ValueError: a key is not 16 bytes or a record is not a positive 4 KiB multiple.
+            ValueError: a key is not 16 bytes, a record is not a positive 4 KiB multiple, or
+                host and device values are mixed.
             TierFull: nothing evictable is left to make room.
-            TierUnavailable: the tier is disabled or the device failed (ENOSPC, EROFS, EIO).
+            TierUnavailable: the tier is disabled, the device failed (ENOSPC, EROFS, EIO), or
+                device values came without a working GPU-direct path.
         """
-        batch = [(bytes(k), as_u8(v)) for k, v in items]
+        batch = [(bytes(k), v if isinstance(v, DeviceSpan) else as_u8(v)) for k, v in items]
         for k, v in batch:
             if len(k) != KEY_BYTES or v.nbytes <= 0 or v.nbytes % ALIGN:
                 raise ValueError(f"SSD tier stores 16-byte keys and 4 KiB-multiple records, got {v.nbytes} bytes")
+        on_device = sum(isinstance(v, DeviceSpan) for _, v in batch)
+        if on_device and on_device != len(batch):
+            raise ValueError("a write batch is either all host buffers or all device spans")
+        if on_device and self.device_io is None:
+            raise TierUnavailable("device records need the GPU-direct path, which this SSD tier does not have")
         if batch:
             await asyncio.get_running_loop().run_in_executor(self._writer, self._append_sync, batch)
 
@@ -304,7 +351,7 @@ class SSDTier(SegmentSourceMixin, Tier):
         if self.disabled_reason or self.readonly_reason:
             raise TierUnavailable(f"SSD tier is not accepting writes: {self.disabled_reason or self.readonly_reason}")
 
-    def _append_sync(self, items: list[tuple[bytes, np.ndarray]]) -> None:
+    def _append_sync(self, items: list[tuple[bytes, np.ndarray | DeviceSpan]]) -> None:
         self._check_writable()
         i = 0
         while i < len(items):
@@ -329,7 +376,7 @@ class SSDTier(SegmentSourceMixin, Tier):
                 > self._segment_bytes:
             self._seal_sync()
 
-    def _append_run(self, seg: SegmentState, run: list[tuple[bytes, np.ndarray]], nbytes: int) -> None:
+    def _append_run(self, seg: SegmentState, run: list[tuple[bytes, np.ndarray | DeviceSpan]], nbytes: int) -> None:
         assert self._io is not None
         n0 = len(seg.entries)
         need = nbytes + footer_bytes(n0 + len(run)) - footer_bytes(n0)
@@ -337,7 +384,10 @@ class SSDTier(SegmentSourceMixin, Tier):
         offset = seg.data_bytes
         try:
             self.io_stats["write_requests"] += 1
-            write_extent(self._io, seg.fd, offset, [v for _, v in run], self._bounce())
+            if isinstance(run[0][1], DeviceSpan):
+                self._device_write(seg, offset, [v for _, v in run])  # type: ignore[misc]
+            else:
+                write_extent(self._io, seg.fd, offset, [v for _, v in run], self._bounce())  # type: ignore[misc]
             if self._fsync:
                 self._io.sync(seg.fd)
         except OSError as e:
@@ -360,6 +410,21 @@ class SSDTier(SegmentSourceMixin, Tier):
         metrics.USED_BYTES.set(self._used)
         if superseded:  # old locations of rewritten keys must not come back after a restart
             self._append_tombstones(superseded)
+
+    def _device_write(self, seg: SegmentState, offset: int, spans: list[DeviceSpan]) -> None:
+        """GPU-direct append. A failure is the GDS path's, not the disk's: detach it and fail this
+        batch (the caller retries through host staging) without marking the tier read-only."""
+        dio = self._device_io
+        if dio is None:
+            raise TierUnavailable("GPU-direct path detached")
+        try:
+            dio.write(seg.fd, spans, offset)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(seg.fd, offset)
+            self._device_failed("write", e)
+            raise TierUnavailable(f"GPU-direct write to {seg.path.name} failed: {e}") from e
+        metrics.GPU_DIRECT_BYTES.labels("write").inc(sum(s.nbytes for s in spans))
 
     def _write_failed(self, seg: SegmentState, offset: int, e: OSError) -> None:
         with contextlib.suppress(OSError):
@@ -448,7 +513,7 @@ class SSDTier(SegmentSourceMixin, Tier):
         seg.dead = True
         self._used -= seg.size
         if seg.readers == 0:
-            self._io.close_fd(seg.fd)
+            self._close_fd(seg.fd)
 
     # --- sealing ----------------------------------------------------------------------------
     async def seal(self) -> SealedSegment | None:
@@ -527,6 +592,11 @@ class SSDTier(SegmentSourceMixin, Tier):
     def _plan_reads(self, requests: Sequence[ReadRequest]) -> list[tuple[SegmentState, int, int, int]]:
         """(segment, file offset, length, request index) per hit; takes a reader ref on each segment."""
         ops = []
+        on_device = sum(isinstance(r.into, DeviceSpan) for r in requests)
+        if on_device and on_device != len(requests):
+            raise ValueError("a read batch is either all host buffers or all device spans")
+        if on_device and self.device_io is None:
+            return []  # no GPU-direct path (any more): all misses, the caller retries through host staging
         with self._lock:
             tick = self._next_tick()
             try:
@@ -551,7 +621,7 @@ class SSDTier(SegmentSourceMixin, Tier):
             for seg in segs:
                 seg.readers -= 1
                 if seg.dead and seg.readers == 0 and self._io is not None:
-                    self._io.close_fd(seg.fd)
+                    self._close_fd(seg.fd)
 
     def _execute_reads(self, ops: list[tuple[SegmentState, int, int, int]], requests: Sequence[ReadRequest],
                        results: list[int | None]) -> None:
@@ -566,10 +636,13 @@ class SSDTier(SegmentSourceMixin, Tier):
                        and ops[end][1] == ops[end - 1][1] + ops[end - 1][2]):
                     end += 1
                 run = ops[start:end]
-                dsts = [as_u8(requests[i].into)[:n] for _, _, n, i in run]
+                dsts = [_destination(requests[i].into, n) for _, _, n, i in run]
                 self.io_stats["read_requests"] += 1
                 try:
-                    read_extent(self._io, run[0][0].fd, run[0][1], dsts, bounce)
+                    if isinstance(dsts[0], DeviceSpan):
+                        self._device_read(run[0][0], run[0][1], dsts)  # type: ignore[arg-type]
+                    else:
+                        read_extent(self._io, run[0][0].fd, run[0][1], dsts, bounce)  # type: ignore[arg-type]
                 except OSError as e:
                     log.warning("SSD read of %d records from %s failed: %s", len(run), run[0][0].path.name, e)
                     metrics.READ_ERRORS.inc()
@@ -581,8 +654,20 @@ class SSDTier(SegmentSourceMixin, Tier):
         finally:
             self._read_bounces.append(bounce)
 
-    def _verified(self, req: ReadRequest, data: np.ndarray) -> bool:
-        if not self._verify or req.byte_range is not None:
+    def _device_read(self, seg: SegmentState, offset: int, spans: list[DeviceSpan]) -> None:
+        dio = self._device_io
+        if dio is None:
+            raise OSError(errno.ENODEV, "GPU-direct path detached")
+        try:
+            dio.read(seg.fd, spans, offset)
+        except OSError as e:
+            self._device_failed("read", e)
+            raise
+        metrics.GPU_DIRECT_BYTES.labels("read").inc(sum(s.nbytes for s in spans))
+
+    def _verified(self, req: ReadRequest, data: np.ndarray | DeviceSpan) -> bool:
+        # Device records are verified on the device where they are consumed (device_codec).
+        if not self._verify or req.byte_range is not None or isinstance(data, DeviceSpan):
             return True
         try:
             verify_record(data, key=req.key)
@@ -621,3 +706,9 @@ class SSDTier(SegmentSourceMixin, Tier):
                 os.fdatasync(self._tomb_fd)
         except OSError as e:  # the key is gone from memory; after a restart it may come back (still valid)
             log.error("SSD tier: cannot record %d tombstones: %s", len(locs), e)
+
+
+def _destination(into: memoryview | DeviceSpan, n: int) -> np.ndarray | DeviceSpan:
+    if isinstance(into, DeviceSpan):
+        return DeviceSpan(into.slab, into.offset, n)
+    return as_u8(into)[:n]
