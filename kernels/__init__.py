@@ -7,5 +7,6 @@ record headers and checksums are the codec's job; these functions only move payl
 """
 
 from .gather_scatter import gather_records, scatter_records, triton_available
+from .xxh3 import to_unsigned, xxh3_64_rows
 
-__all__ = ["gather_records", "scatter_records", "triton_available"]
+__all__ = ["gather_records", "scatter_records", "to_unsigned", "triton_available", "xxh3_64_rows"]
