@@ -49,6 +49,9 @@ class TieredKVConfig(BaseSettings):
     ssd_ttl_s: float = Field(24 * 3600.0, gt=0, description="SSD retention (hours)")
     ssd_seal_idle_s: float = Field(5.0, gt=0, description="seal the open segment after this idle time")
     ssd_allow_evict_unflushed: bool = Field(False, description="drop segments not yet in the object tier")
+    ssd_gpu_direct: Literal["auto", "off"] = Field(
+        "auto", description="GPUDirect Storage (NIXL GDS_MT) between GPU memory and SSD when the start-up probe passes"
+    )
 
     # --- G4 object tier -----------------------------------------------------------------------
     object_url: str | None = Field(None, description="s3://bucket/prefix or file:///dir; None disables")
@@ -68,6 +71,9 @@ class TieredKVConfig(BaseSettings):
     # --- staging, admission, engine-facing -----------------------------------------------------
     staging_slab_bytes: int = Field(32 * MiB, ge=64 * 1024)
     staging_slabs: int = Field(8, ge=1)
+    gpu_staging_slabs: int = Field(
+        2, ge=1, description="GPU-direct only: device slabs of staging_slab_bytes each, taken from GPU memory"
+    )
     admission: Literal["always", "second_hit"] = "always"
     min_prefix_blocks: int = Field(1, ge=1, description="only offload prefixes at least this long")
     max_pending_offloads: int = Field(64, ge=1, description="queued offload batches before dropping")

@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .config import TieredKVConfig
+from .device_staging import DeviceStagingPool
 from .keys import Namespace
 from .staging import StagingPool
 from .store import TieredStore
 from .tiers.base import Tier
+
+if TYPE_CHECKING:
+    from .tiers.ssd.gds import DeviceIO
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +93,7 @@ def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | Non
         tiers.append(HostTier(config.host_capacity_bytes))
         ttls.append(config.host_ttl_s)
     ssd = None
+    gpu_direct = _gpu_direct(config) if config.ssd_dir is not None else None
     if config.ssd_dir is not None:
         from .tiers.ssd import SSDTier
 
@@ -100,6 +106,7 @@ def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | Non
             # without an object tier nothing will ever flush: eviction must be allowed
             allow_evict_unflushed=config.ssd_allow_evict_unflushed if config.object_url else True,
             idle_seal_s=config.ssd_seal_idle_s,
+            device_io=gpu_direct[0] if gpu_direct else None,
         )
         tiers.append(ssd)
         ttls.append(config.ssd_ttl_s)
@@ -146,6 +153,7 @@ def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | Non
         background=background,
         # every worker runs its own store in its own process: rank r serves on metrics_port + r
         metrics_port=config.metrics_port + rank if config.metrics_port else config.metrics_port,
+        device_staging=gpu_direct[1] if gpu_direct else None,
     )
     store.metrics.registry.register(_ProcessWideMetrics())
     if flusher is not None:
@@ -153,6 +161,36 @@ def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | Non
     store.flusher = flusher  # type: ignore[attr-defined]
     log.info("tiered KV store: %s", ", ".join(t.name for t in tiers))
     return store
+
+
+def _gpu_direct(config: TieredKVConfig) -> tuple[DeviceIO, DeviceStagingPool] | None:
+    """GDS_MT agent and registered device slabs when ``ssd_gpu_direct`` is on and the probe passes.
+
+    Without CUDA (a CPU engine) there is nothing to move GPU-direct and nothing is logged; with
+    CUDA, a failed probe or setup is logged loudly once and the SSD tier uses host staging.
+    """
+    if config.ssd_gpu_direct == "off":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from .tiers.ssd.io import gds_verdict
+
+    if not gds_verdict().available:  # logs its reason and sets dtkv_ssd_gds_available
+        return None
+    try:  # pragma: no cover - GPU + GDS only
+        from .tiers.ssd.gds import DeviceIO
+
+        pool = DeviceStagingPool(config.staging_slab_bytes, config.gpu_staging_slabs, "cuda")
+        dio = DeviceIO("GDS_MT")
+        dio.register(pool.slabs)
+    except Exception as e:  # pragma: no cover - GPU + GDS only
+        log.warning("GPU-direct setup failed (%s: %s); the SSD tier uses host staging", type(e).__name__, e)
+        return None
+    log.info("GPU-direct SSD transfers on: %d device slabs of %d bytes", config.gpu_staging_slabs,
+             config.staging_slab_bytes)  # pragma: no cover - GPU + GDS only
+    return dio, pool  # pragma: no cover - GPU + GDS only
 
 
 def _s3_tuning(config: TieredKVConfig) -> dict:

@@ -20,6 +20,13 @@ Writes go to the first ``write_depth`` tiers (host, SSD); slower tiers (objects)
 background tasks such as the segment flusher. The host tier admits every block; lower written
 tiers follow the admission policy. Loaded blocks are promoted into faster tiers off the caller's
 thread, reusing the slab they were read into.
+
+GPU-direct (``device_staging``, an SSD tier with ``device_io``): a batch whose every target tier
+moves records straight from device memory (GDS) is encoded on the device into a device slab,
+and a load chunk whose every block's fastest tier is such a tier is read into a device slab and
+verified and scattered there; no host copy either way. Everything else, and everything after a
+GPU-direct failure (the tier detaches its path), takes the host slabs. Blocks loaded GPU-direct
+are not promoted: the host tier is for blocks that come from the GPU.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .codec import decode_blocks, encode_blocks, record_bytes
+from .device_staging import DeviceSlab, DeviceSpan, DeviceStagingPool
 from .errors import TierFull, TierUnavailable
 from .keys import BlockKey, Namespace
 from .layout import EngineLayout
@@ -96,7 +104,7 @@ class _Read:
 
     start: int
     end: int
-    slab: Slab
+    slab: Slab | DeviceSlab
     fut: concurrent.futures.Future
     hand: _Handoff
 
@@ -117,6 +125,7 @@ class TieredStore:
         metrics_port: serve Prometheus metrics on this port (None = off, 0 = any free port).
         close_flush_timeout_s: how long ``close`` lets write-back (SSD -> objects) finish.
         load_chunk_bytes: a load reads and verifies in chunks of about this size, overlapped.
+        device_staging: device slabs for GPU-direct transfers to tiers that have ``device_io``.
     """
 
     def __init__(self, tiers: Sequence[Tier], namespace: Namespace, staging: StagingPool, *,
@@ -124,12 +133,14 @@ class TieredStore:
                  max_pending_offloads: int = 64, write_depth: int = 2,
                  ttl_s: Sequence[float | None] | None = None, background: Sequence[Background] = (),
                  metrics_port: int | None = None, sweep_interval_s: float = 5.0,
-                 close_flush_timeout_s: float = 30.0, load_chunk_bytes: int = 8 << 20) -> None:
+                 close_flush_timeout_s: float = 30.0, load_chunk_bytes: int = 8 << 20,
+                 device_staging: DeviceStagingPool | None = None) -> None:
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")
         self.tiers = list(tiers)
         self.namespace = namespace
         self.staging = staging
+        self.device_staging = device_staging
         self.admission = admission if isinstance(admission, Admission) else Admission(admission,
                                                                                        min_prefix_blocks)
         self.max_pending_offloads = max_pending_offloads
@@ -287,7 +298,7 @@ class TieredStore:
         if not todo:
             return True
         rb = record_bytes(layout.shape)
-        per_slab = self.staging.slab_bytes // rb
+        per_slab = self._slab_bytes(layout) // rb
         if per_slab == 0:
             self.metrics.offload_dropped.labels("too_large").inc()
             return False
@@ -297,16 +308,23 @@ class TieredStore:
             if not self._reserve_pending():
                 self.metrics.offload_dropped.labels("queue_full").inc()
                 return False
-            slab = self.staging.try_acquire(0)
+            slab = self._acquire(layout, {ti for _, targets in chunk for ti in targets}, 0)
             if slab is None:
                 self._finish_pending()
                 self.metrics.offload_dropped.labels("no_staging").inc()
                 return False
+            ids = [block_ids[i] for i, _ in chunk]
             try:
-                encode_blocks(layout, [block_ids[i] for i, _ in chunk], [self._ns_digest] * len(chunk),
-                              [keys[i] for i, _ in chunk], [parents[i] for i, _ in chunk], slab.array)
+                if isinstance(slab, DeviceSlab):
+                    from .device_codec import encode_blocks_on_device
+
+                    encode_blocks_on_device(layout, ids, [self._ns_digest] * len(chunk), [keys[i] for i, _ in chunk],
+                                            [parents[i] for i, _ in chunk], slab.tensor)
+                else:
+                    encode_blocks(layout, ids, [self._ns_digest] * len(chunk), [keys[i] for i, _ in chunk],
+                                  [parents[i] for i, _ in chunk], slab.array)
             except Exception:
-                self.staging.release(slab)
+                self._release(slab)
                 self._finish_pending()
                 log.exception("encoding blocks for offload failed; batch dropped")
                 self.metrics.offload_dropped.labels("encode_error").inc()
@@ -316,6 +334,37 @@ class TieredStore:
             self.metrics.offload_blocks.inc(len(plan))
             self._schedule(self._write_slab(slab, rb, plan), reserved=True)
         return accepted_all
+
+    # --- slabs: host staging, or device staging for GPU-direct tiers ---------------------------
+    def _gpu_direct(self, ti: int) -> bool:
+        return getattr(self.tiers[ti], "device_io", None) is not None
+
+    def _device_fits(self, layout: EngineLayout) -> bool:
+        pool = self.device_staging
+        return pool is not None and (pool.device.type == "cuda") == layout.is_cuda
+
+    def _slab_bytes(self, layout: EngineLayout) -> int:
+        if self._device_fits(layout):
+            assert self.device_staging is not None
+            return min(self.staging.slab_bytes, self.device_staging.slab_bytes)
+        return self.staging.slab_bytes
+
+    def _acquire(self, layout: EngineLayout, tiers: set[int], wait: float | None) -> Slab | DeviceSlab | None:
+        """A device slab when every tier in ``tiers`` moves records GPU-direct and one is free now,
+        else a host slab (waiting up to ``wait``)."""
+        if tiers and self._device_fits(layout) and all(self._gpu_direct(ti) for ti in tiers):
+            assert self.device_staging is not None
+            slab = self.device_staging.try_acquire(0)
+            if slab is not None:
+                return slab
+        return self.staging.try_acquire(wait)
+
+    def _release(self, slab: Slab | DeviceSlab) -> None:
+        if isinstance(slab, DeviceSlab):
+            assert self.device_staging is not None
+            self.device_staging.release(slab)
+        else:
+            self.staging.release(slab)
 
     def _reserve_pending(self) -> bool:
         with self._pending_lock:
@@ -355,20 +404,21 @@ class TieredStore:
         if not task.cancelled() and task.exception() is not None:
             log.error("store task failed", exc_info=task.exception())
 
-    async def _write_slab(self, slab: Slab, rb: int, plan: Sequence[tuple[int, BlockKey, Sequence[int]]]) -> None:
+    async def _write_slab(self, slab: Slab | DeviceSlab, rb: int,
+                          plan: Sequence[tuple[int, BlockKey, Sequence[int]]]) -> None:
         """Write records ``plan = [(slot in slab, key, tier indexes)]`` in order, then free the slab."""
         try:
-            by_tier: dict[int, list[tuple[BlockKey, memoryview]]] = {}
+            by_tier: dict[int, list[tuple[BlockKey, memoryview | DeviceSpan]]] = {}
             for j, key, targets in plan:
-                view = memoryview(slab.array[j * rb:(j + 1) * rb])
+                view = _slot(slab, j * rb, rb)
                 for ti in targets:
                     by_tier.setdefault(ti, []).append((key, view))
             for ti in sorted(by_tier):
                 await self._write_tier(ti, by_tier[ti])
         finally:
-            self.staging.release(slab)
+            self._release(slab)
 
-    async def _write_tier(self, ti: int, items: list[tuple[BlockKey, memoryview]]) -> None:
+    async def _write_tier(self, ti: int, items: list[tuple[BlockKey, memoryview | DeviceSpan]]) -> None:
         tier = self.tiers[ti]
         t0 = time.perf_counter()
         try:
@@ -425,7 +475,7 @@ class TieredStore:
         n = len(block_ids)
         deadline = None if timeout is None else time.monotonic() + timeout
         rb = record_bytes(layout.shape)
-        per_chunk = min(self.staging.slab_bytes // rb, max(1, self.load_chunk_bytes // rb))
+        per_chunk = min(self._slab_bytes(layout) // rb, max(1, self.load_chunk_bytes // rb))
         inflight: deque[_Read] = deque()
         next_i = 0
 
@@ -434,10 +484,11 @@ class TieredStore:
 
         def start(wait: float | None) -> bool:
             nonlocal next_i
-            slab = self.staging.try_acquire(wait)
+            end = min(n, next_i + per_chunk)
+            sources = {self._fastest(k) for k in keys[next_i:end]}
+            slab = self._acquire(layout, sources if None not in sources else set(), wait)  # type: ignore[arg-type]
             if slab is None:
                 return False
-            end = min(n, next_i + per_chunk)
             inflight.append(self._start_read(slab, rb, next_i, end, keys[next_i:end]))
             next_i = end
             return True
@@ -472,12 +523,20 @@ class TieredStore:
         n_read = next((j for j, src in enumerate(sources) if src is None), len(sources))
         # One batched verify+scatter of everything read; blocks after a failure are reported
         # failed below whatever their own status (the engine recomputes from the first one).
+        ids, ks = block_ids[start:start + n_read], keys[start:start + n_read]
         try:
-            errors = decode_blocks(slab.array[:n_read * rb], layout, block_ids[start:start + n_read],
-                                   namespace=self._ns_digest, keys=keys[start:start + n_read]) if n_read else []
+            if not n_read:
+                errors = []
+            elif isinstance(slab, DeviceSlab):
+                from .device_codec import decode_blocks_on_device
+
+                errors = decode_blocks_on_device(slab.tensor[:n_read * rb], layout, ids, namespace=self._ns_digest,
+                                                 keys=ks)
+            else:
+                errors = decode_blocks(slab.array[:n_read * rb], layout, ids, namespace=self._ns_digest, keys=ks)
         except Exception:  # not a bad record but a broken decode (e.g. CUDA OOM): fail the rest, keep serving
             log.exception("decoding a load chunk failed; its blocks will be recomputed")
-            self.staging.release(slab)
+            self._release(slab)
             return 0
         for j in range(n_read):
             src = sources[j]
@@ -498,15 +557,15 @@ class TieredStore:
             seen = self.admission.sight(k)
             targets = [ti for ti in range(self.write_depth)
                        if ti != src and not self.tiers[ti].contains(k) and self._admits(ti, seen)]
-            if targets:
+            if targets and not isinstance(slab, DeviceSlab):
                 promote.append((j, k, targets))
         if promote:
             self._schedule(self._write_slab(slab, rb, promote))
         else:
-            self.staging.release(slab)
+            self._release(slab)
         return ok
 
-    def _start_read(self, slab: Slab, rb: int, start: int, end: int, keys: Sequence[BlockKey]) -> _Read:
+    def _start_read(self, slab: Slab | DeviceSlab, rb: int, start: int, end: int, keys: Sequence[BlockKey]) -> _Read:
         hand = _Handoff()
         fut = asyncio.run_coroutine_threadsafe(self._read_into_slab(slab, rb, keys, hand), self._loop)
         return _Read(start, end, slab, fut, hand)
@@ -526,11 +585,11 @@ class TieredStore:
                 return rd.fut.result()  # it finished just now
             except Exception:
                 log.exception("load read failed")
-                self.staging.release(rd.slab)
+                self._release(rd.slab)
                 return None
         except Exception:
             log.exception("load read failed")
-            self.staging.release(rd.slab)  # the reader finished (with an error): it never frees the slab
+            self._release(rd.slab)  # the reader finished (with an error): it never frees the slab
             return None
 
     def _abandon(self, rd: _Read) -> None:
@@ -539,9 +598,9 @@ class TieredStore:
             if not rd.hand.done:
                 rd.hand.abandoned = True
                 return
-        self.staging.release(rd.slab)  # the reader is past its I/O and never frees a slab itself
+        self._release(rd.slab)  # the reader is past its I/O and never frees a slab itself
 
-    async def _read_into_slab(self, slab: Slab, rb: int, keys: Sequence[BlockKey],
+    async def _read_into_slab(self, slab: Slab | DeviceSlab, rb: int, keys: Sequence[BlockKey],
                               hand: _Handoff) -> list[int | None]:
         sources: list[int | None] = [None] * len(keys)
         try:
@@ -567,7 +626,7 @@ class TieredStore:
                 hand.done = True
                 abandoned = hand.abandoned
             if abandoned:
-                self.staging.release(slab)
+                self._release(slab)
 
     def _fastest(self, key: BlockKey) -> int | None:
         for ti, t in enumerate(self.tiers):
@@ -575,10 +634,13 @@ class TieredStore:
                 return ti
         return None
 
-    async def _read_run(self, ti: int, slab: Slab, rb: int, keys: Sequence[BlockKey], start: int, end: int) -> int:
+    async def _read_run(self, ti: int, slab: Slab | DeviceSlab, rb: int, keys: Sequence[BlockKey], start: int,
+                        end: int) -> int:
         """Read keys[start:end] from tier ``ti`` into slab slots; return how many leading ones arrived."""
         tier = self.tiers[ti]
-        reqs = [ReadRequest(keys[j], memoryview(slab.array[j * rb:(j + 1) * rb])) for j in range(start, end)]
+        if isinstance(slab, DeviceSlab) and not self._gpu_direct(ti):
+            return 0  # the block moved to a tier without GPU-direct since the chunk started: recompute
+        reqs = [ReadRequest(keys[j], _slot(slab, j * rb, rb)) for j in range(start, end)]
         t0 = time.perf_counter()
         try:
             results = await tier.read_many(reqs)
@@ -626,3 +688,9 @@ class TieredStore:
     def sweep_now(self, now: float | None = None) -> int:
         """Synchronous ``sweep`` for tests and tools."""
         return self._call(self.sweep(now), timeout=60)
+
+
+def _slot(slab: Slab | DeviceSlab, offset: int, nbytes: int) -> memoryview | DeviceSpan:
+    if isinstance(slab, DeviceSlab):
+        return DeviceSpan(slab, offset, nbytes)
+    return memoryview(slab.array[offset:offset + nbytes])

@@ -98,3 +98,56 @@ def _scrape(store) -> str:
 def test_no_tier_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no tier"):
         build_store(TieredKVConfig.from_mapping({"host_capacity_bytes": 0}), NS)
+
+
+def test_gpu_direct_needs_cuda_and_a_passing_gds_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dynamo_tiered_kv import factory
+    from dynamo_tiered_kv.tiers.ssd import io as ssd_io
+
+    cfg = _config(tmp_path, host_capacity_bytes=0)
+    if not torch.cuda.is_available():
+        assert factory._gpu_direct(cfg) is None
+        store = build_store(cfg, NS)
+        try:
+            assert store.device_staging is None and store.tiers[0].device_io is None
+        finally:
+            store.close()
+    probed: list[bool] = []
+
+    def verdict() -> ssd_io.GdsVerdict:
+        probed.append(True)
+        return ssd_io.GdsVerdict(False, "nvidia-fs not loaded")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ssd_io, "gds_verdict", verdict)
+    assert factory._gpu_direct(cfg) is None and probed == [True]
+    assert factory._gpu_direct(_config(tmp_path, ssd_gpu_direct="off")) is None and probed == [True]
+
+
+@pytest.mark.gpu
+def test_gpu_direct_round_trip_through_build_store(tmp_path: Path) -> None:
+    from dynamo_tiered_kv.tiers.ssd import metrics
+    from dynamo_tiered_kv.tiers.ssd.io import gds_verdict
+
+    if not gds_verdict().available:
+        pytest.skip(f"GPUDirect Storage not usable here: {gds_verdict().reason}")
+    ts = allocate_engine_kv(EngineLayoutKind.FLASH_ATTN, num_layers=2, num_blocks=16, block_size=16, num_kv_heads=2,
+                            head_size=64, device="cuda")
+    for t in ts:
+        t.normal_()
+    src = EngineLayout(EngineLayoutKind.FLASH_ATTN, ts, 16, 2, 64)
+    dst = EngineLayout(EngineLayoutKind.FLASH_ATTN, [torch.zeros_like(t) for t in ts], 16, 2, 64)
+    keys = chain_keys(NS, np.arange(16 * 6))
+    store = build_store(_config(tmp_path, host_capacity_bytes=0, object_url=None), NS)
+    try:
+        assert store.device_staging is not None and store.tiers[0].device_io is not None
+        w0 = metrics.GPU_DIRECT_BYTES.labels("write")._value.get()
+        assert store.submit_offload(src, list(range(6)), keys, parents_of(keys))
+        store.drain(30)
+        assert metrics.GPU_DIRECT_BYTES.labels("write")._value.get() > w0
+        res = store.load(dst, list(range(6)), keys)
+        assert res.loaded_block_ids == list(range(6))
+        for a, b in zip(src.tensors, dst.tensors):
+            assert torch.equal(a[:, :6], b[:, :6])
+    finally:
+        store.close()
