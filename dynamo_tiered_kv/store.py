@@ -485,8 +485,9 @@ class TieredStore:
         def start(wait: float | None) -> bool:
             nonlocal next_i
             end = min(n, next_i + per_chunk)
-            sources = {self._fastest(k) for k in keys[next_i:end]}
-            slab = self._acquire(layout, sources if None not in sources else set(), wait)  # type: ignore[arg-type]
+            # GPU-direct only when every block of the chunk is in a GPU-direct tier (else host staging)
+            sources = {self._fastest(k) for k in keys[next_i:end]} if self._device_fits(layout) else set()
+            slab = self._acquire(layout, set() if None in sources else sources, wait)  # type: ignore[arg-type]
             if slab is None:
                 return False
             inflight.append(self._start_read(slab, rb, next_i, end, keys[next_i:end]))
@@ -639,7 +640,8 @@ class TieredStore:
         """Read keys[start:end] from tier ``ti`` into slab slots; return how many leading ones arrived."""
         tier = self.tiers[ti]
         if isinstance(slab, DeviceSlab) and not self._gpu_direct(ti):
-            return 0  # the block moved to a tier without GPU-direct since the chunk started: recompute
+            self.metrics.misses.labels(tier.name).inc(end - start)
+            return 0  # moved to a tier without GPU-direct (or the path failed) since the chunk started
         reqs = [ReadRequest(keys[j], _slot(slab, j * rb, rb)) for j in range(start, end)]
         t0 = time.perf_counter()
         try:

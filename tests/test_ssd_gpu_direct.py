@@ -192,3 +192,23 @@ async def test_gds_round_trip_on_gpu(tmp_path: Path) -> None:
         await t.close()
         dio.close()
         pool.close()
+
+
+async def test_active_gauge_counts_only_tiers_using_the_path(tmp_path: Path) -> None:
+    base = metrics.GPU_DIRECT_ACTIVE._value.get()
+    pool = DeviceStagingPool(1 << 16, 1, "cpu")
+    dio = DeviceIO("POSIX")
+    dio.register(pool.slabs)
+    first = SSDTier(tmp_path, capacity_bytes=8 << 20, io="odirect", idle_seal_s=None, device_io=dio)
+    locked_out = SSDTier(tmp_path, capacity_bytes=8 << 20, io="odirect", idle_seal_s=None, device_io=dio)
+    await first.open()
+    await locked_out.open()  # same rank directory: disabled before it ever uses the path
+    try:
+        assert locked_out.disabled_reason and locked_out.device_io is None
+        assert metrics.GPU_DIRECT_ACTIVE._value.get() == base + (1 if first.io_path == "odirect" else 0)
+    finally:
+        await locked_out.close()
+        await first.close()
+        dio.close()
+        pool.close()
+    assert metrics.GPU_DIRECT_ACTIVE._value.get() == base

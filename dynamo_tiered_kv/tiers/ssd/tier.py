@@ -118,6 +118,7 @@ class SSDTier(SegmentSourceMixin, Tier):
         self._readonly_at = 0.0
         self.on_sealed = on_sealed
         self._device_io = device_io
+        self._gpu_direct_counted = False  # whether this tier counts in dtkv_ssd_gpu_direct_active
 
         self._lock = threading.Lock()
         self._index = CompactIndex()
@@ -183,6 +184,7 @@ class SSDTier(SegmentSourceMixin, Tier):
             self.gds = gds_verdict()
             if self._device_io is not None:
                 if self._io.direct:
+                    self._gpu_direct_counted = True
                     metrics.GPU_DIRECT_ACTIVE.inc()
                     log.info("SSD tier %s: GPU-direct transfers through NIXL %s", self.rank_dir,
                              self._device_io.backend)
@@ -254,13 +256,20 @@ class SSDTier(SegmentSourceMixin, Tier):
         return self._device_io if self.available else None
 
     def _device_failed(self, op: str, e: OSError) -> None:
-        if self._device_io is None:
-            return
+        with self._lock:  # a reader and the writer may fail at once: detach and count once
+            if self._device_io is None:
+                return
+            self._device_io = None  # never used again; its fd registrations die with its agent
         log.error("SSD tier %s: GPU-direct %s failed (%s); falling back to host bounce for good", self.rank_dir,
                   op, e)
         metrics.GPU_DIRECT_FAILURES.inc()
-        metrics.GPU_DIRECT_ACTIVE.dec()
-        self._device_io = None  # its fd registrations die with the agent; the fds stay ours
+        self._uncount_gpu_direct()
+
+    def _uncount_gpu_direct(self) -> None:
+        with self._lock:
+            counted, self._gpu_direct_counted = self._gpu_direct_counted, False
+        if counted:
+            metrics.GPU_DIRECT_ACTIVE.dec()
 
     def _disable(self, reason: str) -> None:
         log.error("SSD tier disabled (no SSD tier): %s", reason)
@@ -277,8 +286,7 @@ class SSDTier(SegmentSourceMixin, Tier):
         if self._opened:
             await asyncio.get_running_loop().run_in_executor(self._writer, self._close_sync)
         self._writer.shutdown(wait=True)
-        if self._device_io is not None and self._opened:
-            metrics.GPU_DIRECT_ACTIVE.dec()
+        self._uncount_gpu_direct()
         if self.disabled_reason is not None:
             metrics.DISABLED.dec()
         if self._idle_thread is not None:
