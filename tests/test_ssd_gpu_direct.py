@@ -212,3 +212,37 @@ async def test_active_gauge_counts_only_tiers_using_the_path(tmp_path: Path) -> 
         dio.close()
         pool.close()
     assert metrics.GPU_DIRECT_ACTIVE._value.get() == base
+
+
+@pytest.mark.parametrize("fault", ["raises", "wrong bytes"])
+async def test_a_path_that_fails_its_start_up_self_test_is_never_used(tmp_path: Path, fault: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = DeviceStagingPool(1 << 16, 1, "cpu")
+    dio = DeviceIO("POSIX")
+    dio.register(pool.slabs)
+    real_read = dio.read
+
+    def bad_read(fd, spans, offset):
+        if fault == "raises":
+            raise OSError(5, "cuFileHandleRegister failed (5030)")
+        real_read(fd, spans, offset)
+        spans[0].slab.tensor[spans[0].offset + 7] ^= 1  # a path that silently serves wrong bytes
+
+    monkeypatch.setattr(dio, "read", bad_read)
+    failures = metrics.GPU_DIRECT_FAILURES._value.get()
+    t = SSDTier(tmp_path, capacity_bytes=8 << 20, io="odirect", idle_seal_s=None, device_io=dio)
+    await t.open()
+    try:
+        if t.io_path != "odirect":
+            pytest.skip("this filesystem refuses O_DIRECT")
+        assert t.available and t.device_io is None
+        assert metrics.GPU_DIRECT_FAILURES._value.get() == failures + 1
+        assert not list(t.rank_dir.glob(".gdio-probe-*"))
+        k, v = records(1, b"selftest")[0]
+        await t.write(k, memoryview(v))  # the host path is unaffected
+        buf = bytearray(len(v))
+        assert await t.read_into(k, memoryview(buf)) == len(v) and bytes(buf) == v
+    finally:
+        await t.close()
+        dio.close()
+        pool.close()

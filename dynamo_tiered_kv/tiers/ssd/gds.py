@@ -22,7 +22,11 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
+import torch
+
+from ...codec import ALIGN
 from ...device_staging import DeviceSlab, DeviceSpan
 from .io import _import_nixl, _wait
 
@@ -51,6 +55,7 @@ class DeviceIO:
         self._lock = threading.Lock()
         self._slabs: dict[int, object] = {}  # slab address -> registration
         self._mem_type: str | None = None
+        self._device: torch.device | None = None
         self._files: dict[int, object] = {}  # fd -> registration
 
     def register(self, slabs: Iterable[DeviceSlab]) -> None:
@@ -62,6 +67,7 @@ class DeviceIO:
                 if self._mem_type not in (None, s.mem_type):
                     raise ValueError("all slabs of one DeviceIO must be of one memory type")
                 self._mem_type = s.mem_type
+                self._device = s.tensor.device
                 self._slabs[s.address] = self._ag.register_memory([(s.address, s.nbytes, s.device_id, "")],
                                                                   s.mem_type)
 
@@ -110,6 +116,36 @@ class DeviceIO:
         except Exception as e:  # nixlBackendError and friends carry no errno
             raise OSError(errno.EIO, f"NIXL {self.backend} {op} failed: {type(e).__name__}: {e}") from e
 
+    def self_test(self, directory: Path) -> None:
+        """Write 4 KiB from device memory to a file in ``directory`` and read it back through this
+        path; raise ``OSError`` unless the bytes match. The start-up check behind "never a hang,
+        never wrong data": creating a GDS_MT backend can succeed where registering a file or
+        moving bytes fails (no nvidia-fs, an overlay filesystem, dynamo issue #6032)."""
+        if self._device is None:
+            raise ValueError("register the device slabs before the self-test")
+        probe = DeviceSlab(-1, 2 * ALIGN, self._device)
+        self.register([probe])
+        path = directory / f".gdio-probe-{os.getpid()}-{id(self)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+        try:
+            probe.tensor[:ALIGN].copy_(torch.arange(ALIGN, device=self._device) % 251)
+            probe.tensor[ALIGN:].zero_()
+            _synchronize(self._device)
+            self.write(fd, [DeviceSpan(probe, 0, ALIGN)], 0)
+            self.read(fd, [DeviceSpan(probe, ALIGN, ALIGN)], 0)
+            _synchronize(self._device)
+            if not torch.equal(probe.tensor[:ALIGN], probe.tensor[ALIGN:]):
+                raise OSError(errno.EIO, f"NIXL {self.backend} read back different bytes than it wrote")
+        finally:
+            self.forget(fd)
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            with self._lock:
+                reg = self._slabs.pop(probe.address, None)
+                if reg is not None:
+                    self._ag.deregister_memory(reg)
+            probe.release_memory()
+
     def close(self) -> None:
         with self._lock:
             for reg in [*self._files.values(), *self._slabs.values()]:
@@ -135,3 +171,8 @@ def _merge(spans: Sequence[DeviceSpan]) -> list[tuple[int, int, int]]:
             out.append((s.address, s.nbytes, s.slab.device_id))
         prev = s
     return out
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

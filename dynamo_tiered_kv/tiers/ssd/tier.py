@@ -183,15 +183,7 @@ class SSDTier(SegmentSourceMixin, Tier):
             metrics.IO_PATH.labels(self._io.name).set(1)
             self.gds = gds_verdict()
             if self._device_io is not None:
-                if self._io.direct:
-                    self._gpu_direct_counted = True
-                    metrics.GPU_DIRECT_ACTIVE.inc()
-                    log.info("SSD tier %s: GPU-direct transfers through NIXL %s", self.rank_dir,
-                             self._device_io.backend)
-                else:
-                    log.warning("SSD tier %s: GPU-direct needs O_DIRECT files, this filesystem refuses them; "
-                                "device records take the host-bounce path", self.rank_dir)
-                    self._device_io = None
+                self._check_gpu_direct()
             self._recover()
             self._tomb_fd = os.open(self.rank_dir / TOMBSTONE_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             if self._superseded_at_recovery:
@@ -243,6 +235,27 @@ class SSDTier(SegmentSourceMixin, Tier):
         metrics.USED_BYTES.set(self._used)
         log.info("SSD tier %s: recovered %d segments, %d blocks, %d bytes; io=%s", self.rank_dir,
                  len(recovered), len(self._index), self._used, self.io_path)
+
+    def _check_gpu_direct(self) -> None:
+        """Keep the GPU-direct path only if it round-trips real bytes in the rank directory now."""
+        assert self._io is not None and self._device_io is not None
+        dio = self._device_io
+        if not self._io.direct:
+            log.warning("SSD tier %s: GPU-direct needs O_DIRECT files, this filesystem refuses them; "
+                        "device records take the host-bounce path", self.rank_dir)
+            self._device_io = None
+            return
+        try:
+            dio.self_test(self.rank_dir)
+        except (OSError, ValueError) as e:
+            log.warning("SSD tier %s: GPU-direct self-test through NIXL %s failed (%s); device records take the "
+                        "host-bounce path", self.rank_dir, dio.backend, e)
+            metrics.GPU_DIRECT_FAILURES.inc()
+            self._device_io = None
+            return
+        self._gpu_direct_counted = True
+        metrics.GPU_DIRECT_ACTIVE.inc()
+        log.info("SSD tier %s: GPU-direct transfers through NIXL %s (self-test passed)", self.rank_dir, dio.backend)
 
     def _close_fd(self, fd: int) -> None:
         assert self._io is not None
