@@ -28,6 +28,7 @@ from .codec import (
     header_bytes,
     record_bytes,
 )
+from .device_staging import synchronize
 from .errors import ChecksumMismatch, RecordError
 from .keys import KEY_BYTES
 from .layout import EngineLayout
@@ -85,7 +86,7 @@ def encode_blocks_on_device(
     for i in range(n):
         _write_header(heads[i], shape, layout.kind, namespaces[i], keys[i], parents[i], sums[i])
     recs[:, :hb].copy_(torch.from_numpy(heads))
-    _synchronize(out)
+    synchronize(out.device)
     return n * rb
 
 
@@ -132,7 +133,3 @@ def decode_blocks_on_device(
         layout.synchronize()
     return errors
 
-
-def _synchronize(t: torch.Tensor) -> None:
-    if t.device.type == "cuda":
-        torch.cuda.current_stream(t.device).synchronize()

@@ -12,30 +12,32 @@ NIXL's POSIX backend; only the CUDA specifics wait for a GPU.
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from .staging import StagingPool
+from .staging import Slab, StagingPool
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's current stream (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class DeviceSlab:
     """One device buffer; ``address`` and ``device_id`` are what NIXL descriptors need."""
 
-    __slots__ = ("_mmap", "address", "device_id", "index", "mem_type", "nbytes", "tensor")
+    __slots__ = ("_host", "address", "device_id", "index", "mem_type", "nbytes", "tensor")
+    pinned = False  # device memory needs no pinning
 
     def __init__(self, index: int, nbytes: int, device: torch.device) -> None:
         self.index = index
         self.nbytes = nbytes
-        self._mmap: mmap.mmap | None = None
-        if device.type == "cpu":  # page aligned, as O_DIRECT needs
-            self._mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            arr = np.frombuffer(self._mmap, dtype=np.uint8)
-            arr[::mmap.PAGESIZE] = 0
-            self.tensor = torch.from_numpy(arr)
+        self._host: Slab | None = None
+        if device.type == "cpu":  # the CPU stand-in: a page-aligned host slab, as O_DIRECT needs
+            self._host = Slab(index, nbytes, pin=False)
+            self.tensor = self._host.tensor
             self.mem_type, self.device_id = "DRAM", 0
         else:  # cudaMalloc'd blocks this large are 2 MiB aligned, cuFile's preferred alignment
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -44,9 +46,8 @@ class DeviceSlab:
 
     def release_memory(self) -> None:
         self.tensor = None  # type: ignore[assignment]
-        if self._mmap is not None:
-            with contextlib.suppress(BufferError):  # a caller still holds a view; the mapping dies with it
-                self._mmap.close()
+        if self._host is not None:
+            self._host.release_memory()
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +67,10 @@ class DeviceStagingPool(StagingPool):
     """``num_slabs`` device slabs of ``slab_bytes``; same acquire/release contract as ``StagingPool``."""
 
     def __init__(self, slab_bytes: int, num_slabs: int, device: str | torch.device = "cuda") -> None:
-        if slab_bytes <= 0 or num_slabs <= 0:
-            raise ValueError("slab_bytes and num_slabs must be positive")
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.slab_bytes = (slab_bytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-        self.pinned = False
-        self._setup([DeviceSlab(i, self.slab_bytes, self.device) for i in range(num_slabs)])
+        super().__init__(slab_bytes, num_slabs, pin=False)
+
+    def _new_slab(self, index: int, nbytes: int, pin: bool) -> DeviceSlab:  # type: ignore[override]
+        return DeviceSlab(index, nbytes, self.device)

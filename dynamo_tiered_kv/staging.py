@@ -97,14 +97,14 @@ class StagingPool:
         if pin is None:
             pin = torch.cuda.is_available()
         self.slab_bytes = slab_bytes
-        self._setup([Slab(i, slab_bytes, pin) for i in range(num_slabs)])
+        self.slabs = [self._new_slab(i, slab_bytes, pin) for i in range(num_slabs)]
         self.pinned = all(s.pinned for s in self.slabs)
-
-    def _setup(self, slabs: list) -> None:
-        self.slabs = slabs
-        self._free = list(reversed(slabs))
+        self._free = list(reversed(self.slabs))
         self._cv = threading.Condition()
         self._closed = False
+
+    def _new_slab(self, index: int, nbytes: int, pin: bool) -> Slab:
+        return Slab(index, nbytes, pin)
 
     @property
     def free_count(self) -> int:

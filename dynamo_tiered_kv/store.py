@@ -313,16 +313,14 @@ class TieredStore:
                 self._finish_pending()
                 self.metrics.offload_dropped.labels("no_staging").inc()
                 return False
-            ids = [block_ids[i] for i, _ in chunk]
             try:
                 if isinstance(slab, DeviceSlab):
-                    from .device_codec import encode_blocks_on_device
-
-                    encode_blocks_on_device(layout, ids, [self._ns_digest] * len(chunk), [keys[i] for i, _ in chunk],
-                                            [parents[i] for i, _ in chunk], slab.tensor)
+                    from .device_codec import encode_blocks_on_device as encode
+                    out = slab.tensor
                 else:
-                    encode_blocks(layout, ids, [self._ns_digest] * len(chunk), [keys[i] for i, _ in chunk],
-                                  [parents[i] for i, _ in chunk], slab.array)
+                    encode, out = encode_blocks, slab.array
+                encode(layout, [block_ids[i] for i, _ in chunk], [self._ns_digest] * len(chunk),
+                       [keys[i] for i, _ in chunk], [parents[i] for i, _ in chunk], out)
             except Exception:
                 self._release(slab)
                 self._finish_pending()

@@ -28,7 +28,7 @@ import torch
 
 from ..codec import decode_blocks, encode_blocks, record_bytes
 from ..device_codec import decode_blocks_on_device, encode_blocks_on_device
-from ..device_staging import DeviceSpan, DeviceStagingPool
+from ..device_staging import DeviceSpan, DeviceStagingPool, synchronize
 from ..keys import Namespace, chain_keys, parents_of
 from ..layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from ..staging import StagingPool
@@ -80,10 +80,10 @@ async def _run(args: argparse.Namespace) -> dict:
         return chain_keys(ns, np.arange(args.blocks * 16) + tag * 1_000_003)
 
     def timed(name: str, fn: Callable[[], None]) -> None:
-        _sync(dev)
+        synchronize(dev)
         t0 = time.perf_counter()
         fn()
-        _sync(dev)
+        synchronize(dev)
         times.setdefault(name, []).append(time.perf_counter() - t0)
 
     try:
@@ -189,16 +189,12 @@ async def _io_round(path: Path, eng: EngineLayout, ns: Namespace, batches: list[
                  [("host_onboard", host_onboard), ("direct_onboard", direct_onboard)]]
         for pair in pairs:
             for name, fn in pair if rnd % 2 == 0 else pair[::-1]:
-                _sync(dev)
+                synchronize(dev)
                 t0 = time.perf_counter()
                 await fn()
-                _sync(dev)
+                synchronize(dev)
                 times.setdefault(name, []).append(time.perf_counter() - t0)
     finally:
         await tier.close()
         shutil.rmtree(path, ignore_errors=True)
 
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)

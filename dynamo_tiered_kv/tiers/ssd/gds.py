@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ...codec import ALIGN
-from ...device_staging import DeviceSlab, DeviceSpan
+from ...device_staging import DeviceSlab, DeviceSpan, synchronize
 from .io import _import_nixl, _wait
 
 log = logging.getLogger(__name__)
@@ -130,10 +130,10 @@ class DeviceIO:
         try:
             probe.tensor[:ALIGN].copy_(torch.arange(ALIGN, device=self._device) % 251)
             probe.tensor[ALIGN:].zero_()
-            _synchronize(self._device)
+            synchronize(self._device)
             self.write(fd, [DeviceSpan(probe, 0, ALIGN)], 0)
             self.read(fd, [DeviceSpan(probe, ALIGN, ALIGN)], 0)
-            _synchronize(self._device)
+            synchronize(self._device)
             if not torch.equal(probe.tensor[:ALIGN], probe.tensor[ALIGN:]):
                 raise OSError(errno.EIO, f"NIXL {self.backend} read back different bytes than it wrote")
         finally:
@@ -172,7 +172,3 @@ def _merge(spans: Sequence[DeviceSpan]) -> list[tuple[int, int, int]]:
         prev = s
     return out
 
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
