@@ -23,8 +23,8 @@ import numpy as np
 
 KEY_BYTES = 16
 ROOT_KEY = bytes(KEY_BYTES)  # parent of the first block of every sequence
-_NS_PERSON = b"dtkv-ns-v1"
-_KEY_PERSON = b"dtkv-key-v1"
+_NS_PERSON = b"dtkv-ns-v2"  # v2: scope fields length-prefixed (see scope_salt)
+_KEY_PERSON = b"dtkv-key-v2"
 _TOKENS_TAG = b"T"
 _ENGINE_HASH_TAG = b"E"
 
@@ -94,6 +94,18 @@ class Namespace:
 
     def hex(self) -> str:
         return self.digest.hex()
+
+
+def scope_salt(tenant: str, **scopes: str | None) -> str:
+    """One salt string from the tenant salt and per-request scopes (cache salt, LoRA, epoch).
+
+    Every field is written as ``name=<length>:<value>;`` in name order, so no value can be
+    crafted to look like another field: ``cache="X\\0lora:a"`` and ``cache="X", lora="a"``
+    encode differently (the v1 concatenation made them equal). Empty or None scopes are left out,
+    so a request with no scope keeps the tenant's plain namespace.
+    """
+    fields = {"tenant": tenant, **{k: v for k, v in scopes.items() if v}}
+    return "".join(f"{k}={len(v)}:{v};" for k, v in sorted(fields.items()))
 
 
 def _tokens_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:

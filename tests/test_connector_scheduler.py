@@ -241,25 +241,6 @@ def test_request_sharing_a_block_being_loaded_saves_nothing_that_step() -> None:
     assert [ld.block_ids for ld in meta.loads] == [[1]] and meta.saves == []
 
 
-def test_configured_model_id_overrides_the_engine_path_in_the_scheduler() -> None:
-    def hashes(engine_model: str, **cfg) -> list[bytes]:
-        r = SchedulerRole(TieredKVConfig.from_mapping(cfg), model_id=engine_model, block_size=BS,
-                          lookup=FakeLookup(set()))
-        return r._state(FakeRequest("x", list(range(8)))).hashes_upto(2)
-
-    assert hashes("/models/llama3", model_id="llama-3-8b") == hashes("meta-llama/Llama-3-8B", model_id="llama-3-8b")
-    assert hashes("/models/llama3") != hashes("meta-llama/Llama-3-8B")
-
-
-def test_model_revision_is_part_of_the_model_identity() -> None:
-    from dynamo_tiered_kv.connectors.vllm.connector import _model_id
-
-    assert _model_id(SimpleNamespace(model="org/m", revision=None)) == "org/m"
-    assert _model_id(SimpleNamespace(model="org/m", revision="v2")) == "org/m@v2"
-    assert _model_id(SimpleNamespace(model="org/m", revision="v2")) != _model_id(
-        SimpleNamespace(model="org/m", revision="v3"))
-
-
 def _kv_caches(num_layers: int, heads: int, head_size: int) -> dict:
     from dynamo_tiered_kv.layout import EngineLayoutKind, allocate_engine_kv
 

@@ -33,7 +33,7 @@ def spec_read(rec: bytes) -> dict:
 
 
 def spec_namespace(model, dtype, layout, salt, *ints) -> bytes:
-    h = hashlib.blake2b(digest_size=16, person=b"dtkv-ns-v1")
+    h = hashlib.blake2b(digest_size=16, person=b"dtkv-ns-v2")
     for s in (model, dtype, layout, salt):
         b = s.encode()
         h.update(struct.pack("<I", len(b)) + b)
@@ -46,7 +46,7 @@ def test_independent_reader_agrees() -> None:
     assert ns.digest == spec_namespace("m", "bfloat16", "KV_SPLIT", "t", 4, 2, 2, 8, 0, 1, 0, 1)
     tokens = [1, 2, 3, 4]
     spec_key = hashlib.blake2b(
-        ns.digest + ROOT_KEY + b"T" + np.array(tokens, "<u4").tobytes(), digest_size=16, person=b"dtkv-key-v1"
+        ns.digest + ROOT_KEY + b"T" + np.array(tokens, "<u4").tobytes(), digest_size=16, person=b"dtkv-key-v2"
     ).digest()
     key = block_key(ns, ROOT_KEY, tokens)
     assert key == spec_key

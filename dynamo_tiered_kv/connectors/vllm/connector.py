@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ...config import TieredKVConfig
+from .identity import model_identity
 from .metadata import TieredKVMetadata
 from .rendezvous import LookupClient, engine_key
 from .scheduler import SchedulerRole, with_recompute_policy
@@ -42,19 +43,13 @@ def _kv_dtype(vllm_config: Any) -> str:
     return str(vllm_config.model_config.dtype).removeprefix("torch.")
 
 
-def _model_id(model_config: Any) -> str:
-    """The weights' identity: the model name plus its revision, so a new checkpoint never reuses old KV."""
-    model = str(model_config.model)
-    revision = getattr(model_config, "revision", None)
-    return f"{model}@{revision}" if revision else model
-
-
 class TieredKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.config = TieredKVConfig.from_mapping(dict(ktc.kv_connector_extra_config or {}))
-        model_id = _model_id(vllm_config.model_config)
+        model_id = model_identity(vllm_config.model_config, override=self.config.model_id or "",
+                                  kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")))
         block_size = int(vllm_config.cache_config.block_size)
         pc = vllm_config.parallel_config
         key = engine_key(str(ktc.engine_id), int(getattr(pc, "data_parallel_rank", 0) or 0))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import TieredKVConfig
-from ...keys import ROOT_KEY, Namespace, block_key
+from ...keys import ROOT_KEY, Namespace, block_key, scope_salt
 from .metadata import LoadSpec, SaveSpec, TieredKVMetadata
 from .rendezvous import LookupClient
 
@@ -60,8 +60,9 @@ class SchedulerRole:
                  kv_events: bool = False) -> None:
         self.config = config
         self.block_size = block_size
-        self.model_id = config.model_id or model_id  # the worker's rule: their namespaces must agree
+        self.model_id = model_id  # connector.model_identity, the worker's too: their namespaces must agree
         self._salt = config.tenant_salt.get_secret_value()
+        self._epoch = ""  # new random value on every reset_cache (weights changed): old keys unreachable
         self._lookup = lookup
         self._reqs: dict[str, _Req] = {}
         self.min_prefix_blocks = config.min_prefix_blocks
@@ -80,13 +81,10 @@ class SchedulerRole:
     def _namespace_for(self, request: Any) -> Namespace | None:
         if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
             return None  # token ids do not identify multimodal or embedding prompts
-        salt = self._salt
-        cache_salt = getattr(request, "cache_salt", None)
-        if cache_salt:
-            salt += "\x00cache:" + cache_salt
         lora = getattr(request, "lora_request", None)
-        if lora is not None:
-            salt += "\x00lora:" + str(getattr(lora, "lora_name", lora))
+        lora_name = str(getattr(lora, "lora_name", lora)) if lora is not None else None
+        salt = scope_salt(self._salt, cache=getattr(request, "cache_salt", None), lora=lora_name,
+                          epoch=self._epoch)
         return token_namespace(self.model_id, self.block_size, salt)
 
     # --- vLLM hooks -----------------------------------------------------------------------

@@ -58,7 +58,7 @@ class WorkerRole:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         layout = _detect_layout(kv_caches, self.block_size, self.num_kv_heads, self.head_size, self.is_mla)
         self.layout = layout
-        self.namespace = Namespace(self.config.model_id or self.model_id, self.kv_dtype, layout.kind.name,
+        self.namespace = Namespace(self.model_id, self.kv_dtype, layout.kind.name,
                                    layout.shape.block_size, layout.shape.num_layers, layout.shape.num_kv_heads,
                                    layout.shape.head_size, self.tp_rank, self.tp_size,
                                    tenant_salt=self.config.tenant_salt.get_secret_value(),
