@@ -39,13 +39,14 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from . import lifecycle
 from .codec import decode_blocks, encode_blocks, record_bytes
 from .device_staging import DeviceSlab, DeviceSpan, DeviceStagingPool
 from .errors import TierFull, TierUnavailable
 from .keys import BlockKey, Namespace
 from .layout import EngineLayout
+from .lifecycle import Background
 from .metrics import StoreMetrics
 from .policy import Admission, AdmissionPolicy, Retention
 from .staging import Slab, StagingPool
@@ -54,12 +55,7 @@ from .tiers.base import ReadRequest, Tier
 log = logging.getLogger(__name__)
 
 
-class Background(Protocol):
-    """A long-running task the store drives on its loop (e.g. the SSD -> object flusher)."""
-
-    async def run(self) -> None: ...
-
-    async def stop(self) -> None: ...
+__all__ = ["Background", "LoadResult", "LookupResult", "TieredStore"]
 
 
 @dataclass(frozen=True)
@@ -122,8 +118,10 @@ class TieredStore:
         write_depth: how many leading tiers the store writes itself (default: host and the next).
         ttl_s: retention per tier (None = no expiry), applied to blocks this store wrote.
         background: long-running tasks started on the loop and stopped on ``close``.
-        metrics_port: serve Prometheus metrics on this port (None = off, 0 = any free port).
+        metrics_port: serve Prometheus metrics on this port (None = off, 0 = any free port); a busy
+            port never fails the store (see ``StoreMetrics.serve``).
         close_flush_timeout_s: how long ``close`` lets write-back (SSD -> objects) finish.
+        exit_timeout_s: bound on closing at process exit when nobody called ``close`` (``lifecycle``).
         load_chunk_bytes: a load reads and verifies in chunks of about this size, overlapped.
         device_staging: device slabs for GPU-direct transfers to tiers that have ``device_io``.
     """
@@ -134,7 +132,7 @@ class TieredStore:
                  ttl_s: Sequence[float | None] | None = None, background: Sequence[Background] = (),
                  metrics_port: int | None = None, sweep_interval_s: float = 5.0,
                  close_flush_timeout_s: float = 30.0, load_chunk_bytes: int = 8 << 20,
-                 device_staging: DeviceStagingPool | None = None) -> None:
+                 device_staging: DeviceStagingPool | None = None, exit_timeout_s: float = 10.0) -> None:
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")
         self.tiers = list(tiers)
@@ -154,6 +152,8 @@ class TieredStore:
         self._pending_lock = threading.Lock()
         self._idle = threading.Condition(self._pending_lock)
         self._closed = False
+        self._close_lock = threading.Lock()
+        self.exit_timeout_s = exit_timeout_s
         self._sweep_interval_s = sweep_interval_s
         self._close_flush_timeout_s = close_flush_timeout_s
         self.load_chunk_bytes = load_chunk_bytes
@@ -164,83 +164,65 @@ class TieredStore:
         self._thread = threading.Thread(target=self._loop.run_forever, name="dtkv-store", daemon=True)
         self._thread.start()
         self._call(self._start(), timeout=120)
+        lifecycle.track(self)  # a process that ends without close() still drains, seals, hands over
 
     # --- lifecycle -----------------------------------------------------------------------
     async def _start(self) -> None:
         for t in self.tiers:
             await t.open()
         for b in self._background:
-            self._bg_tasks.append(asyncio.ensure_future(self._run_background(b)))
+            self._bg_tasks.append(asyncio.ensure_future(lifecycle.run_background(b)))
         if any(t.ttl_s is not None for t in self._ttl):
             self._bg_tasks.append(asyncio.ensure_future(self._sweep_forever()))
-
-    async def _run_background(self, b: Background) -> None:
-        try:
-            await b.run()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("background task %r failed; the store keeps serving without it", b)
 
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self, timeout: float = 30.0) -> None:
-        """Drain queued offloads, seal and flush durable tiers, stop background tasks, close tiers
-        and the loop. Idempotent."""
-        if self._closed:
+        """Drain queued offloads (up to ``timeout``), seal open segments, let write-back finish (up to
+        ``close_flush_timeout_s`` more), stop background tasks, close tiers and the loop.
+        Idempotent and thread-safe (a second caller waits for the first)."""
+        now = time.monotonic()
+        flush_until = now + timeout + self._close_flush_timeout_s
+        self._close(now + timeout, flush_until, flush_until + 10.0)
+
+    def close_by(self, deadline: float) -> None:
+        """Close before ``deadline`` (``time.monotonic()``), as at process exit: accepted offloads get
+        the first 60% of the time, sealing and write-back the next 20% (what is left unflushed stays
+        sealed on the SSD for the next start), stopping and closing tiers the rest."""
+        left = max(0.0, deadline - time.monotonic())
+        self._close(deadline - 0.4 * left, deadline - 0.2 * left, deadline)
+
+    def _close(self, drain_until: float, flush_until: float, end: float) -> None:
+        if not self._close_lock.acquire(timeout=max(0.0, end - time.monotonic())):
+            log.warning("store close still running in another thread; not waiting longer")
             return
-        self.drain(timeout)
-        self._closed = True
         try:
-            self._call(self._shutdown(), timeout=timeout + self._close_flush_timeout_s)
-        except Exception:
-            log.exception("store shutdown did not finish cleanly")
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout)
-        if not self._thread.is_alive():
-            self._loop.close()
-        self.metrics.close()
-
-    async def _persist(self, timeout: float) -> None:
-        """Seal open segments and let write-back tasks finish, so durable tiers hold everything.
-
-        Duck-typed: tiers with ``seal()`` are sealed; background tasks with ``drain(timeout)``
-        (or a ``flusher`` that has one) are drained. Bounded by ``timeout``: a down object store
-        delays shutdown by at most that much, and what is left is flushed by the next start.
-        """
-        for t in self.tiers:
-            seal = getattr(t, "seal", None)
-            if seal is not None:
-                try:
-                    await seal()
-                except Exception as e:
-                    log.warning("sealing tier %s at close failed: %s", t.name, e)
-        for b in self._background:
-            drain = getattr(b, "drain", None) or getattr(getattr(b, "flusher", None), "drain", None)
-            if drain is None:
-                continue
+            if self._closed:
+                return
+            lifecycle.untrack(self)
+            if lifecycle.executors_stopped():  # too late to write: recovery seals what reached the SSD
+                log.warning("store closed after Python stopped its thread pools; queued writes may be lost "
+                            "(close the store before interpreter exit)")
+            if not self.drain(max(0.0, drain_until - time.monotonic())):
+                log.warning("%d offload batches still queued at close; they may be lost", self._pending)
+            self._closed = True
             try:
-                if not await drain(timeout):
-                    log.warning("background task %r still had work after %.0fs at close", b, timeout)
-            except Exception as e:
-                log.warning("draining background task %r at close failed: %s", b, e)
-
-    async def _shutdown(self) -> None:
-        await self._persist(self._close_flush_timeout_s)
-        for b in self._background:
-            try:
-                await asyncio.wait_for(b.stop(), 10)
+                self._call(lifecycle.shut_down(self.tiers, self._background, self._bg_tasks, flush_until, end),
+                           timeout=max(0.1, end - time.monotonic()))
             except Exception:
-                log.exception("background task %r did not stop cleanly", b)
-        for task in self._bg_tasks:
-            task.cancel()
-        await asyncio.gather(*self._bg_tasks, return_exceptions=True)
-        for t in self.tiers:
-            try:
-                await t.close()
-            except Exception:
-                log.exception("closing tier %s failed", t.name)
+                log.exception("store shutdown did not finish cleanly")
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(max(1.0, end - time.monotonic()))
+            if not self._thread.is_alive():
+                self._loop.close()
+            self.metrics.close()
+        finally:
+            self._close_lock.release()
 
     def __enter__(self) -> TieredStore:
         return self
@@ -448,7 +430,8 @@ class TieredStore:
         For tools, tests and planned shutdowns; ``close`` does the same. Bounded by ``timeout``.
         """
         self.drain(timeout)
-        self._call(self._persist(timeout), timeout=2 * timeout + 5)
+        self._call(lifecycle.persist(self.tiers, self._background, time.monotonic() + timeout),
+                   timeout=2 * timeout + 5)
 
     @property
     def pending_offloads(self) -> int:
