@@ -71,9 +71,12 @@ class _ProcessWideMetrics(Collector):
     def collect(self):
         from prometheus_client import REGISTRY
 
-        for family in REGISTRY.collect():
-            if family.name.startswith("dtkv_"):
-                yield family
+        try:
+            for family in REGISTRY.collect():
+                if family.name.startswith("dtkv_"):
+                    yield family
+        except Exception as e:  # someone else's broken collector must not break our scrape
+            log.warning("process-wide metrics skipped in this scrape: %s", e)
 
 
 def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | None = None) -> TieredStore:
@@ -155,12 +158,21 @@ def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | Non
         metrics_port=config.metrics_port + rank if config.metrics_port else config.metrics_port,
         device_staging=gpu_direct[1] if gpu_direct else None,
     )
-    store.metrics.registry.register(_ProcessWideMetrics())
+    _observe(store, _ProcessWideMetrics())
     if flusher is not None:
-        store.metrics.registry.register(_FlushCollector(flusher))
+        _observe(store, _FlushCollector(flusher))
     store.flusher = flusher  # type: ignore[attr-defined]
     log.info("tiered KV store: %s", ", ".join(t.name for t in tiers))
     return store
+
+
+def _observe(store: TieredStore, collector: Collector) -> None:
+    """Add ``collector`` to the store's registry; a failure costs the metrics, never the store."""
+    try:
+        store.metrics.registry.register(collector)
+    except Exception as e:
+        store.metrics.observability_failures.labels("collector").inc()
+        log.warning("metrics collector %s not registered (%s); the store runs without it", type(collector).__name__, e)
 
 
 def _gpu_direct(config: TieredKVConfig) -> tuple[DeviceIO, DeviceStagingPool] | None:

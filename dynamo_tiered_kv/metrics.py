@@ -20,11 +20,15 @@ Names (all prefixed ``dtkv_``; ``tier`` is the tier's ``name``):
     offload_blocks_total             blocks accepted for offload
     offload_dropped_total{reason}    offload batches dropped (queue_full, no_staging, too_large, closed)
     load_failed_blocks_total         blocks reported to the engine as failed loads
+    observability_failures_total{what}  observability set-up that failed while the store kept serving
+                                     (port: /metrics port unavailable; collector: not registered)
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -83,12 +87,16 @@ class StoreMetrics:
                                        registry=r)
         self.load_failed_blocks = Counter("dtkv_load_failed_blocks", "blocks reported as failed loads",
                                           registry=r)
+        self.observability_failures = Counter("dtkv_observability_failures",
+                                              "observability set-up failures the store served through", ["what"],
+                                              registry=r)
         self._tiers = list(tiers)
         usage = _UsageCollector(lambda: self._tiers)
         r.register(usage)
         self._own = [self.hits, self.misses, self.read_bytes, self.written_bytes, self.read_seconds,
                      self.write_seconds, self.errors, self.checksum_failures, self.lookup_blocks,
-                     self.offload_blocks, self.offload_dropped, self.load_failed_blocks, usage]
+                     self.offload_blocks, self.offload_dropped, self.load_failed_blocks, self.observability_failures,
+                     usage]
         self._server = None
 
     def value(self, name: str, **labels: str) -> float:
@@ -101,8 +109,42 @@ class StoreMetrics:
                         return float(sample.value)
         return 0.0
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Serve ``/metrics`` on ``port`` (0 picks a free one). Returns the bound port."""
+    def serve(self, port: int, addr: str = "0.0.0.0", *, retry_s: float = 2.0) -> int | None:
+        """Serve ``/metrics`` on ``port`` (0 picks a free one). Returns the bound port, or None.
+
+        Never raises: observability must not stop inference. A busy port is retried for
+        ``retry_s`` (a restarted worker's predecessor may still hold it); then the endpoint moves
+        to a free port, or is left off if even that fails, with one log line naming the outcome
+        and ``dtkv_observability_failures_total{what="port"}`` counting it.
+        """
+        deadline = time.monotonic() + retry_s
+        delay = 0.05
+        while True:
+            try:
+                return self._bind(port, addr)
+            except OSError as e:
+                err: Exception = e
+                if e.errno != errno.EADDRINUSE or time.monotonic() + delay > deadline:
+                    break
+            except Exception as e:  # e.g. OverflowError for a port out of range: not worth a retry
+                err = e
+                break
+            time.sleep(delay)
+            delay = min(2 * delay, 0.5)
+        self.observability_failures.labels("port").inc()
+        if port != 0:
+            try:
+                bound = self._bind(0, addr)
+            except Exception as e:
+                err = e
+            else:
+                log.warning("metrics port %d unavailable (%s); serving /metrics on fallback port %d instead",
+                            port, err, bound)
+                return bound
+        log.warning("metrics endpoint unavailable (%s: %s); serving without /metrics", type(err).__name__, err)
+        return None
+
+    def _bind(self, port: int, addr: str) -> int:
         server, _thread = start_http_server(port, addr=addr, registry=self.registry)
         self._server = server
         bound = int(server.server_address[1])

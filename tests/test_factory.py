@@ -151,3 +151,40 @@ def test_gpu_direct_round_trip_through_build_store(tmp_path: Path) -> None:
             assert torch.equal(a[:, :6], b[:, :6])
     finally:
         store.close()
+
+
+def test_observability_failures_never_fail_build_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy metrics port (a restarted worker's predecessor still holds it) and a collector that
+    cannot be registered cost metrics only: the store is built and serves."""
+    import socket
+
+    from prometheus_client import CollectorRegistry
+
+    from dynamo_tiered_kv import factory
+
+    held = socket.socket()
+    held.bind(("0.0.0.0", 0))
+    held.listen(1)
+    port = held.getsockname()[1]
+    real_register = CollectorRegistry.register
+
+    def register(self, collector) -> None:
+        if isinstance(collector, factory._FlushCollector):
+            raise ValueError("Duplicated timeseries in CollectorRegistry")
+        real_register(self, collector)
+
+    monkeypatch.setattr(CollectorRegistry, "register", register)
+    src = _layout(3)
+    keys = chain_keys(NS, np.arange(16 * 2))
+    try:
+        store = build_store(_config(tmp_path, metrics_port=port), NS, rank=0)
+        try:
+            assert store.metrics_port not in (None, port)
+            assert store.metrics.value("observability_failures_total", what="port") == 1
+            assert store.metrics.value("observability_failures_total", what="collector") == 1
+            assert store.submit_offload(src, [0, 1], keys, parents_of(keys)) and store.drain(30)
+            assert store.lookup(keys).num_blocks == 2
+        finally:
+            store.close()
+    finally:
+        held.close()
