@@ -12,6 +12,7 @@ TieredKVError
 │   ├── KeyMismatch                    the index pointed at another block
 │   └── LayoutMismatch                 the record's shape does not fit the engine's layout
 ├── TierUnavailable                    a tier is down or disabled: fail open, treat as a miss
+│   └── PartialWrite                   a batch stopped partway: its first ``written`` items are stored
 ├── TierFull                           capacity bound would be exceeded and nothing is evictable
 └── StagingExhausted                   no staging slab free within the timeout: drop the offload
 """
@@ -73,3 +74,12 @@ class TierFull(TieredKVError):
 
 class StagingExhausted(TieredKVError):
     """No staging slab became free in time; the caller drops the transfer and counts it."""
+
+
+class PartialWrite(TierUnavailable):
+    """A batch write stopped partway: its first ``written`` items ARE stored (durable, readable,
+    indexed) and the rest are not. Callers account the stored prefix as written."""
+
+    def __init__(self, message: str, *, written: int) -> None:
+        super().__init__(message)
+        self.written = written

@@ -110,6 +110,7 @@ def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | Non
             allow_evict_unflushed=config.ssd_allow_evict_unflushed if config.object_url else True,
             idle_seal_s=config.ssd_seal_idle_s,
             device_io=gpu_direct[0] if gpu_direct else None,
+            namespace=namespace.digest,  # verifying reads check the full identity, not only the key
         )
         tiers.append(ssd)
         ttls.append(config.ssd_ttl_s)

@@ -399,10 +399,16 @@ class TieredStore:
             self._release(slab)
 
     async def _write_tier(self, ti: int, items: list[tuple[BlockKey, memoryview | DeviceSpan]]) -> None:
+        from .errors import PartialWrite  # imported here: this function is its only user in the store
+
         tier = self.tiers[ti]
         t0 = time.perf_counter()
         try:
             await tier.write_many(items)
+        except PartialWrite as e:  # its first e.written records ARE stored: account them as written
+            self.metrics.errors.labels(tier.name, "write").inc()
+            log.warning("write of %d blocks to tier %s stored the first %d: %s", len(items), tier.name, e.written, e)
+            items = items[:e.written]
         except (TierUnavailable, TierFull, OSError) as e:
             self.metrics.errors.labels(tier.name, "write").inc()
             log.warning("write of %d blocks to tier %s failed: %s", len(items), tier.name, e)

@@ -318,21 +318,21 @@ async def test_close_waits_for_reads_in_flight_instead_of_closing_their_files(tm
     import asyncio
     import threading
 
-    from dynamo_tiered_kv.tiers.ssd import tier as tier_mod
+    from dynamo_tiered_kv.tiers.ssd import reads as reads_mod
 
     t = await opened(tmp_path)
     items = [rec(i) for i in range(4)]
     await t.write_many(items)
     await t.seal()
     entered, go = threading.Event(), threading.Event()
-    real = tier_mod.read_extent
+    real = reads_mod.read_extent
 
     def slow_read(*a, **kw):
         entered.set()
         assert go.wait(10)
         return real(*a, **kw)
 
-    monkeypatch.setattr(tier_mod, "read_extent", slow_read)
+    monkeypatch.setattr(reads_mod, "read_extent", slow_read)
     n = len(items[0][1])
     bufs = [bytearray(n) for _ in items]
     async def close_during_read() -> None:

@@ -1,11 +1,16 @@
 """Offline verification of SSD tier directories (``dtkv fsck DIR``).
 
 Every record of every segment is read and fully verified (header, layer checksums, and the key
-the footer says it holds). Sealed segments must have a valid footer whose entries tile the data
-region; an unsealed segment (open at a crash, or in use by a live writer) is scanned instead.
-A failing record is *corruption* when valid records follow it (recovery would lose them); a
-failing tail with nothing valid after it is a *torn tail*, the expected trace of a crash, which
-recovery truncates: a warning, not corruption.
+the footer says it holds; there is no namespace here, records of any tenant pass). Rules:
+
+* a sealed segment must have a valid footer whose entries tile the data region;
+* only the newest segment of a rank directory may lack a footer (open at a crash, or in use by
+  a live writer). Failing bytes after its last valid record are a *torn tail*, the expected
+  trace of a crash that recovery truncates: a warning, not corruption;
+* everything else is *corruption* (exit 1): a damaged record with valid records after it
+  (recovery skips it and keeps them), any older segment without a valid footer (truncated or
+  damaged: no crash can tear a segment that was sealed), an entry that is not a regular file or
+  cannot be read (the tier quarantines it).
 """
 
 from __future__ import annotations
@@ -13,13 +18,13 @@ from __future__ import annotations
 import fcntl
 import os
 import re
-import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ...codec import ALIGN, MAGIC, decode_header, verify_record
+from ...codec import MAGIC, verify_record
 from ...errors import RecordError
-from .recovery import scan_records
+from .quarantine import open_regular
+from .recovery import newest_segment, scan_records
 from .segment import LOCK_FILE, TOMBSTONE, TOMBSTONE_FILE, list_segments, parse_tombstones, read_footer
 
 _RANK_RE = re.compile(r"^rank-\d+$")
@@ -70,15 +75,34 @@ def fsck_dir(path: Path) -> FsckReport:
         if _in_use(rank_dir):
             report.problems.append(Problem(str(rank_dir), None, None,
                                            "in use by a live writer: its open segment may look torn", False))
-        for _seq, seg_path in list_segments(rank_dir):
+        newest = newest_segment(rank_dir)
+        for seq, seg_path in list_segments(rank_dir):
             report.segments += 1
-            _check_segment(seg_path, report)
-        raw = (rank_dir / TOMBSTONE_FILE).read_bytes() if (rank_dir / TOMBSTONE_FILE).exists() else b""
-        report.tombstones += len(parse_tombstones(raw))
-        if len(raw) % TOMBSTONE.size:
-            report.problems.append(Problem(str(rank_dir / TOMBSTONE_FILE), None, None,
-                                           "torn last tombstone (ignored by recovery)", False))
+            try:
+                _check_segment(seg_path, seq, seq == newest, report)
+            except OSError as e:
+                report.problems.append(Problem(str(seg_path), None, None,
+                                               f"cannot read it (the tier quarantines it): {e}", True))
+        _check_tombstones(rank_dir / TOMBSTONE_FILE, report)
     return report
+
+
+def _check_tombstones(path: Path, report: FsckReport) -> None:
+    try:
+        fd = open_regular(path, os.O_RDONLY)
+        try:
+            raw = b"".join(iter(lambda: os.read(fd, 1 << 20), b""))
+        finally:
+            os.close(fd)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        report.problems.append(Problem(str(path), None, None, f"cannot read it (the tier quarantines it, so "
+                                       f"deleted records may come back): {e}", True))
+        return
+    report.tombstones += len(parse_tombstones(raw))
+    if len(raw) % TOMBSTONE.size:
+        report.problems.append(Problem(str(path), None, None, "torn last tombstone (ignored by recovery)", False))
 
 
 def _in_use(rank_dir: Path) -> bool:
@@ -96,14 +120,14 @@ def _in_use(rank_dir: Path) -> bool:
         os.close(fd)
 
 
-def _check_segment(path: Path, report: FsckReport) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _check_segment(path: Path, seq: int, newest: bool, report: FsckReport) -> None:
+    fd = open_regular(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         footer = read_footer(fd, size)
-        if footer is None:
+        if footer is None or footer.seq != seq:
             report.unsealed += 1
-            _check_unsealed(fd, size, path, report)
+            _check_scanned(fd, size, path, newest, report)
             return
         report.sealed += 1
         expect = 0
@@ -126,20 +150,24 @@ def _check_segment(path: Path, report: FsckReport) -> None:
         os.close(fd)
 
 
-def _check_unsealed(fd: int, size: int, path: Path, report: FsckReport) -> None:
-    entries, end, why = scan_records(fd, size)
-    report.records_ok += len(entries)
-    report.bytes_verified += end
-    if end == size:
-        return
-    key = _key_at(fd, end)
-    later = _next_valid_record(fd, end + ALIGN, size)
-    if later is None:
-        report.problems.append(Problem(str(path), end, key, f"torn tail of {size - end} bytes in an unsealed "
-                                       f"segment (recovery truncates it): {why}", False))
-    else:
-        report.problems.append(Problem(str(path), end, key, f"{why}; a valid record follows at offset {later}",
+def _check_scanned(fd: int, size: int, path: Path, newest: bool, report: FsckReport) -> None:
+    """A segment without a valid footer: scan it the way recovery does and classify what fails."""
+    scan = scan_records(fd, size)
+    report.records_ok += len(scan.entries)
+    report.bytes_verified += sum(n for _, _, n in scan.entries)
+    for off, n, why in scan.damaged:
+        report.problems.append(Problem(str(path), off, _key_at(fd, off), f"{why}; a valid record follows at "
+                                       f"offset {off + n} (recovery skips the damaged bytes and keeps it)", True))
+    if not newest:
+        tail = f"; damaged from offset {scan.end}: {scan.tail_why}" if scan.tail_why else ""
+        report.problems.append(Problem(str(path), scan.end if scan.tail_why else None, None,
+                                       "not the newest segment of its rank, yet no valid footer: truncated or "
+                                       f"damaged, not a torn tail (recovery rebuilds the footer, cuts nothing){tail}",
                                        True))
+    elif scan.tail_why:
+        report.problems.append(Problem(str(path), scan.end, _key_at(fd, scan.end), f"torn tail of "
+                                       f"{size - scan.end} bytes in the newest, unsealed segment (recovery "
+                                       f"truncates it): {scan.tail_why}", False))
 
 
 def _key_at(fd: int, off: int) -> str | None:
@@ -147,19 +175,3 @@ def _key_at(fd: int, off: int) -> str | None:
     if head[:8] != MAGIC or len(head) < 48:
         return None
     return head[32:48].hex()  # the (unverified) key field of the record header, docs/FORMAT.md
-
-
-def _next_valid_record(fd: int, start: int, size: int) -> int | None:
-    off = start - start % ALIGN
-    while off + ALIGN <= size:
-        head = os.pread(fd, ALIGN, off)
-        if head[:8] == MAGIC:
-            try:
-                (hb,) = struct.unpack_from("<I", head, 12)
-                hdr = decode_header(os.pread(fd, max(hb, ALIGN), off))
-                verify_record(os.pread(fd, hdr.record_bytes, off))
-                return off
-            except (RecordError, struct.error):
-                pass
-        off += ALIGN
-    return None

@@ -20,3 +20,7 @@ GPU_DIRECT_ACTIVE = Gauge("dtkv_ssd_gpu_direct_active", "SSD tiers moving record
 GPU_DIRECT_BYTES = Counter("dtkv_ssd_gpu_direct_bytes", "Bytes moved between device memory and SSD", ["op"])
 GPU_DIRECT_FAILURES = Counter("dtkv_ssd_gpu_direct_failures",
                               "GPU-direct transfers that failed; the tier then falls back to host bounce")
+DAMAGED_RECORDS = Counter("dtkv_ssd_damaged_records",
+                          "Damaged regions recovery skipped in SSD segments (kept out of the index, not cut)")
+QUARANTINED = Counter("dtkv_ssd_quarantined",
+                      "Unusable entries of a rank directory renamed aside so the rest is served")

@@ -23,22 +23,24 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-from ...codec import ALIGN, verify_record
-from ...errors import RecordError, TierFull, TierUnavailable
+from ...codec import ALIGN
+from ...errors import PartialWrite, TierFull, TierUnavailable
 from ...keys import KEY_BYTES, BlockKey
-from ..base import ByteRange, ReadRequest, Tier, TierCapabilities, TierUsage, check_range
+from ..base import Tier, TierCapabilities, TierUsage
 from ..segments import SealedSegment, SegmentEntry
 from . import metrics
 from .flushing import SegmentSourceMixin, SegmentState
 from .gds import DeviceIO, DeviceSpan
 from .index import CompactIndex
-from .io import GdsVerdict, PosixIO, aligned_buffer, as_u8, gds_verdict, read_extent, select_io, write_extent
+from .io import GdsVerdict, PosixIO, aligned_buffer, as_u8, gds_verdict, select_io, write_extent
+from .quarantine import highest_quarantined_seq, open_regular, quarantine
+from .reads import BOUNCE_BYTES, ReadPathMixin
 from .recovery import fsync_dir, load_tombstones, recover_segments
 from .segment import (
     LOCK_FILE,
@@ -55,11 +57,10 @@ from .segment import (
 log = logging.getLogger(__name__)
 
 DEFAULT_SEGMENT_BYTES = 256 << 20
-BOUNCE_BYTES = 8 << 20
 _DEGRADING_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM, errno.EFBIG}
 
 
-class SSDTier(SegmentSourceMixin, Tier):
+class SSDTier(SegmentSourceMixin, ReadPathMixin, Tier):
     """Segment-log SSD tier. Constructor keyword arguments are its config schema.
 
     Args:
@@ -75,9 +76,12 @@ class SSDTier(SegmentSourceMixin, Tier):
             (a standalone SSD tier must be able to evict), no afterwards.
         fsync: ``fdatasync`` after every write batch, seal and delete. An acknowledged write then
             survives power loss, not only a process kill.
-        verify_reads: verify whole-record reads (checksum and key) before reporting a hit; a
-            failure is a miss and drops the entry. Off by default because the codec verifies
-            every record where it is consumed.
+        verify_reads: verify whole-record reads (checksum, key and, when ``namespace`` is given,
+            namespace) before reporting a hit; a failure is a miss and drops the entry. Off by
+            default because the codec verifies every record where it is consumed.
+        namespace: expected namespace digest (``Namespace.digest``) of every record this tier
+            serves; with ``verify_reads`` a record of another model, layout or tenant that
+            carries the same key bytes is a miss. ``None``: the key alone is checked.
         idle_seal_s: seal the open segment after this many idle seconds (None: only when full
             and on close).
         write_retry_s: after a write failed with ENOSPC/EROFS/EIO the tier serves reads only and
@@ -97,7 +101,7 @@ class SSDTier(SegmentSourceMixin, Tier):
                  allow_evict_unflushed: bool | None = None, fsync: bool = True, verify_reads: bool = False,
                  idle_seal_s: float | None = 60.0, write_retry_s: float = 30.0,
                  on_sealed: Callable[[SealedSegment], None] | None = None,
-                 device_io: DeviceIO | None = None) -> None:
+                 device_io: DeviceIO | None = None, namespace: bytes | None = None) -> None:
         if capacity_bytes <= 0 or segment_bytes < 2 * ALIGN or rank < 0:
             raise ValueError("capacity_bytes and rank must be positive and segment_bytes at least 8 KiB")
         if io not in ("auto", "nixl", "odirect", "buffered"):
@@ -113,6 +117,7 @@ class SSDTier(SegmentSourceMixin, Tier):
         self._flusher_attached = False
         self._fsync = fsync
         self._verify = verify_reads
+        self._namespace = namespace
         self._idle_seal_s = idle_seal_s
         self._write_retry_s = write_retry_s
         self._readonly_at = 0.0
@@ -134,6 +139,7 @@ class SSDTier(SegmentSourceMixin, Tier):
         self._write_bounce: np.ndarray | None = None
         self._read_bounces: list[np.ndarray] = []
         self._superseded_at_recovery: list[tuple[int, int, bytes]] = []
+        self._seal_pending = False  # a seal of the open segment failed: retried by the next write or idle seal
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"dtkv-ssd{rank}")
         self._stop = threading.Event()
         self._idle_thread: threading.Thread | None = None
@@ -185,13 +191,20 @@ class SSDTier(SegmentSourceMixin, Tier):
             if self._device_io is not None:
                 self._check_gpu_direct()
             self._recover()
-            self._tomb_fd = os.open(self.rank_dir / TOMBSTONE_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            self._open_tombstones()
             if self._superseded_at_recovery:
                 self._append_tombstones(self._superseded_at_recovery)
                 self._superseded_at_recovery = []
         except OSError as e:
             self._disable(f"cannot use {self.rank_dir}: {e}")
             self._drop_state()  # a half-recovered index must not serve anything
+
+    def _open_tombstones(self) -> None:
+        path = self.rank_dir / TOMBSTONE_FILE
+        try:
+            self._tomb_fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        except OSError as e:  # serve and write anyway; deletes then last until the next restart only
+            log.error("SSD tier: cannot open %s (%s): deletes and overwrites are not recorded durably", path, e)
 
     def _drop_state(self) -> None:
         """Forget every segment. A read still in flight keeps its fd: ``_release`` closes it."""
@@ -209,12 +222,18 @@ class SSDTier(SegmentSourceMixin, Tier):
     def _recover(self) -> None:
         assert self._io is not None
         seen = list_segments(self.rank_dir)
-        self._next_seq = seen[-1][0] + 1 if seen else 1  # never reuse a seq, even of a removed file
+        # never reuse a seq, even of a removed or quarantined file (the object tier may hold it)
+        self._next_seq = max(seen[-1][0] if seen else 0, highest_quarantined_seq(self.rank_dir)) + 1
         recovered = recover_segments(self.rank_dir, self.rank)
         dead = load_tombstones(self.rank_dir, {r.seq for r in recovered})
         superseded: list[tuple[int, int, bytes]] = []
         for r in recovered:
-            seg = SegmentState(r.seq, r.path, self._io.open(r.path), r.data_bytes, r.size, sealed=True,
+            try:
+                fd = self._io.open(r.path)
+            except OSError as e:  # one unreadable file must not turn the whole tier off
+                quarantine(r.path, f"cannot open it for I/O: {e}")
+                continue
+            seg = SegmentState(r.seq, r.path, fd, r.data_bytes, r.size, sealed=True,
                                flushed=r.flushed, sealed_at=r.sealed_at_ns / 1e9, last_used=self._next_tick())
             self._segments[r.seq] = seg
             self._used += r.size
@@ -374,28 +393,40 @@ class SSDTier(SegmentSourceMixin, Tier):
 
     def _append_sync(self, items: list[tuple[bytes, np.ndarray | DeviceSpan]]) -> None:
         self._check_writable()
+        if self._seal_pending:  # an earlier seal failed: retry it first (raising here: nothing written)
+            self._seal_sync()
         i = 0
-        while i < len(items):
-            seg = self._open or self._new_segment()
-            n0 = len(seg.entries)
-            take, nbytes = 0, 0
-            while i + take < len(items):
-                ln = items[i + take][1].nbytes
-                if seg.data_bytes + nbytes + ln + footer_bytes(n0 + take + 1) > self._segment_bytes:
-                    break
-                take, nbytes = take + 1, nbytes + ln
-            rest = len(items) - i
-            if n0 and (take == 0 or (take < rest and sum(v.nbytes for _, v in items[i:]) + footer_bytes(rest)
-                                     <= self._segment_bytes)):
-                self._seal_sync()  # start a fresh segment so the run stays contiguous
-                continue
-            if take == 0:  # a record larger than a segment gets a segment of its own
-                take, nbytes = 1, items[i][1].nbytes
-            self._append_run(seg, items[i:i + take], nbytes)
-            i += take
+        try:
+            while i < len(items):
+                seg = self._open or self._new_segment()
+                n0 = len(seg.entries)
+                take, nbytes = 0, 0
+                while i + take < len(items):
+                    ln = items[i + take][1].nbytes
+                    if seg.data_bytes + nbytes + ln + footer_bytes(n0 + take + 1) > self._segment_bytes:
+                        break
+                    take, nbytes = take + 1, nbytes + ln
+                rest = len(items) - i
+                if n0 and (take == 0 or (take < rest and sum(v.nbytes for _, v in items[i:]) + footer_bytes(rest)
+                                         <= self._segment_bytes)):
+                    self._seal_sync()  # start a fresh segment so the run stays contiguous
+                    continue
+                if take == 0:  # a record larger than a segment gets a segment of its own
+                    take, nbytes = 1, items[i][1].nbytes
+                self._append_run(seg, items[i:i + take], nbytes)
+                i += take
+        except (TierUnavailable, TierFull) as e:
+            if i == 0:
+                raise
+            # The first i records are durable and indexed: say so, callers must not treat them as lost.
+            raise PartialWrite(f"SSD tier stored {i} of {len(items)} records, then: {e}", written=i) from e
         if self._open is not None and self._open.data_bytes + footer_bytes(len(self._open.entries) + 1) + ALIGN \
                 > self._segment_bytes:
-            self._seal_sync()
+            try:
+                self._seal_sync()
+            except TierUnavailable as e:  # every record is durable and indexed: the write succeeded
+                log.warning("SSD tier: %d records written; sealing %s failed and is retried later: %s",
+                            len(items), self._open.path.name, e)
 
     def _append_run(self, seg: SegmentState, run: list[tuple[bytes, np.ndarray | DeviceSpan]], nbytes: int) -> None:
         assert self._io is not None
@@ -546,9 +577,14 @@ class SSDTier(SegmentSourceMixin, Tier):
         return await asyncio.get_running_loop().run_in_executor(self._writer, self._seal_if_idle_sync, max_age_s)
 
     def _seal_if_idle_sync(self, max_age_s: float) -> SealedSegment | None:
-        if self._open is None or time.monotonic() - self._last_write < max_age_s:
+        """Seal when idle; a seal that failed earlier is retried at once, or once the read-only
+        period after a device error (``write_retry_s``) is over."""
+        if self._open is None or self.disabled_reason:
             return None
-        if self.disabled_reason or self.readonly_reason:
+        if self.readonly_reason:
+            if not self._seal_pending or time.monotonic() - self._readonly_at < self._write_retry_s:
+                return None
+        elif not self._seal_pending and time.monotonic() - self._last_write < max_age_s:
             return None
         return self._seal_sync()
 
@@ -566,16 +602,13 @@ class SSDTier(SegmentSourceMixin, Tier):
         seg = self._open
         if seg is None or not seg.entries:
             return None
-        assert self._io is not None
         now = time.time_ns()
-        fb = footer_bytes(len(seg.entries))
-        buf = self._bounce() if fb <= BOUNCE_BYTES else aligned_buffer(fb)
-        footer = build_footer(self.rank, seg.seq, seg.data_bytes, now, seg.entries, out=buf)
         try:
-            write_extent(self._io, seg.fd, seg.data_bytes, [footer], buf)
-            self._io.sync(seg.fd)  # a seal is always durable: the flusher uploads what it sees
-        except OSError as e:
+            self._write_footer(seg, now)
+        except OSError as e:  # the segment stays open with its records; the seal is retried later
+            self._seal_pending = True
             self._write_failed(seg, seg.data_bytes, e)
+        self._seal_pending = False
         entries = tuple(SegmentEntry(k, o, n) for k, o, n in seg.entries)
         with self._lock:
             seg.sealed = True
@@ -591,120 +624,13 @@ class SSDTier(SegmentSourceMixin, Tier):
                 log.exception("on_sealed callback failed for %s", sealed.segment_id)
         return sealed
 
-    # --- reads ------------------------------------------------------------------------------
-    async def read_into(self, key: BlockKey, into: memoryview, byte_range: ByteRange | None = None) -> int | None:
-        return (await self.read_many([ReadRequest(key, into, byte_range)]))[0]
-
-    async def read_many(self, requests: Sequence[ReadRequest]) -> list[int | None]:
-        """Read every hit; adjacent records of one segment are one read. Misses and failures are None.
-
-        Raises:
-            ValueError: a destination is too small or a byte range exceeds its record.
-        """
-        results: list[int | None] = [None] * len(requests)
-        ops = self._plan_reads(requests)
-        if ops:
-            try:
-                await asyncio.to_thread(self._execute_reads, ops, requests, results)
-            finally:
-                self._release([op[0] for op in ops])
-        return results
-
-    def _plan_reads(self, requests: Sequence[ReadRequest]) -> list[tuple[SegmentState, int, int, int]]:
-        """(segment, file offset, length, request index) per hit; takes a reader ref on each segment."""
-        ops = []
-        on_device = sum(isinstance(r.into, DeviceSpan) for r in requests)
-        if on_device and on_device != len(requests):
-            raise ValueError("a read batch is either all host buffers or all device spans")
-        if on_device and self.device_io is None:
-            return []  # no GPU-direct path (any more): all misses, the caller retries through host staging
-        with self._lock:
-            tick = self._next_tick()
-            try:
-                for i, r in enumerate(requests):
-                    loc = self._index.get(r.key)
-                    if loc is None:
-                        continue
-                    seq, rec_off, rec_len = loc
-                    off, length = check_range(rec_len, r.into, r.byte_range)
-                    seg = self._segments[seq]
-                    seg.readers += 1
-                    seg.last_used = tick
-                    ops.append((seg, rec_off + off, length, i))
-            except BaseException:
-                for seg, *_ in ops:
-                    seg.readers -= 1
-                raise
-        return ops
-
-    def _release(self, segs: list[SegmentState]) -> None:
-        with self._lock:
-            for seg in segs:
-                seg.readers -= 1
-                if seg.dead and seg.readers == 0 and self._io is not None:
-                    self._close_fd(seg.fd)
-
-    def _execute_reads(self, ops: list[tuple[SegmentState, int, int, int]], requests: Sequence[ReadRequest],
-                       results: list[int | None]) -> None:
+    def _write_footer(self, seg: SegmentState, now_ns: int) -> None:
         assert self._io is not None
-        ops = sorted(ops, key=lambda o: (o[0].seq, o[1]))
-        bounce = self._take_read_bounce()
-        try:
-            start = 0
-            while start < len(ops):
-                end = start + 1
-                while (end < len(ops) and ops[end][0] is ops[start][0]
-                       and ops[end][1] == ops[end - 1][1] + ops[end - 1][2]):
-                    end += 1
-                run = ops[start:end]
-                dsts = [_destination(requests[i].into, n) for _, _, n, i in run]
-                self.io_stats["read_requests"] += 1
-                try:
-                    if isinstance(dsts[0], DeviceSpan):
-                        self._device_read(run[0][0], run[0][1], dsts)  # type: ignore[arg-type]
-                    else:
-                        read_extent(self._io, run[0][0].fd, run[0][1], dsts, bounce)  # type: ignore[arg-type]
-                except OSError as e:
-                    log.warning("SSD read of %d records from %s failed: %s", len(run), run[0][0].path.name, e)
-                    metrics.READ_ERRORS.inc()
-                else:
-                    for (_, _, n, i), d in zip(run, dsts):
-                        results[i] = n if self._verified(requests[i], d) else None
-                    metrics.BYTES_READ.inc(sum(d.nbytes for d in dsts))
-                start = end
-        finally:
-            self._read_bounces.append(bounce)
-
-    def _device_read(self, seg: SegmentState, offset: int, spans: list[DeviceSpan]) -> None:
-        dio = self._device_io
-        if dio is None:
-            raise OSError(errno.ENODEV, "GPU-direct path detached")
-        try:
-            dio.read(seg.fd, spans, offset)
-        except OSError as e:
-            self._device_failed("read", e)
-            raise
-        metrics.GPU_DIRECT_BYTES.labels("read").inc(sum(s.nbytes for s in spans))
-
-    def _verified(self, req: ReadRequest, data: np.ndarray | DeviceSpan) -> bool:
-        # Device records are verified on the device where they are consumed (device_codec).
-        if not self._verify or req.byte_range is not None or isinstance(data, DeviceSpan):
-            return True
-        try:
-            verify_record(data, key=req.key)
-            return True
-        except RecordError as e:
-            log.warning("SSD record %s failed verification (%s); dropped", req.key.hex(), e)
-            metrics.CHECKSUM_FAILURES.inc()
-            with self._lock:
-                self._index.pop(req.key)
-            return False
-
-    def _take_read_bounce(self) -> np.ndarray:
-        try:
-            return self._read_bounces.pop()
-        except IndexError:
-            return aligned_buffer(BOUNCE_BYTES)
+        fb = footer_bytes(len(seg.entries))
+        buf = self._bounce() if fb <= BOUNCE_BYTES else aligned_buffer(fb)
+        footer = build_footer(self.rank, seg.seq, seg.data_bytes, now_ns, seg.entries, out=buf)
+        write_extent(self._io, seg.fd, seg.data_bytes, [footer], buf)
+        self._io.sync(seg.fd)  # a seal is always durable: the flusher uploads what it sees
 
     # --- deletes ----------------------------------------------------------------------------
     async def delete(self, key: BlockKey) -> bool:
@@ -728,8 +654,3 @@ class SSDTier(SegmentSourceMixin, Tier):
         except OSError as e:  # the key is gone from memory; after a restart it may come back (still valid)
             log.error("SSD tier: cannot record %d tombstones: %s", len(locs), e)
 
-
-def _destination(into: memoryview | DeviceSpan, n: int) -> np.ndarray | DeviceSpan:
-    if isinstance(into, DeviceSpan):
-        return DeviceSpan(into.slab, into.offset, n)
-    return as_u8(into)[:n]

@@ -1,0 +1,179 @@
+"""The SSD tier's read path: plan hits under the lock, then one request per contiguous run.
+
+``ReadPathMixin`` is mixed into ``SSDTier`` only and uses its index, segment table, lock and I/O
+path; it is split out to keep ``tier.py`` short. Reads run in the default executor, concurrently
+with the writer thread; a reader holds a reference on each segment it reads (``readers``), so
+eviction may unlink the file meanwhile and the last reader closes its descriptor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from ...codec import verify_record
+from ...errors import RecordError
+from ...keys import BlockKey
+from ..base import ByteRange, ReadRequest, check_range
+from . import metrics
+from .flushing import SegmentState
+from .gds import DeviceIO, DeviceSpan
+from .index import CompactIndex
+from .io import PosixIO, aligned_buffer, as_u8, read_extent
+
+log = logging.getLogger(__name__)
+
+BOUNCE_BYTES = 8 << 20
+
+
+class ReadPathMixin:
+    """``read_into`` / ``read_many`` of ``SSDTier``; identity checks when ``verify_reads`` is on."""
+
+    _lock: threading.Lock
+    _index: CompactIndex
+    _segments: dict[int, SegmentState]
+    _io: PosixIO | None
+    _device_io: DeviceIO | None
+    _verify: bool
+    _namespace: bytes | None
+    _read_bounces: list[np.ndarray]
+    io_stats: dict[str, int]
+
+    @property
+    def device_io(self) -> DeviceIO | None:  # overridden by SSDTier
+        raise NotImplementedError
+
+    def _next_tick(self) -> int:
+        raise NotImplementedError
+
+    def _close_fd(self, fd: int) -> None:
+        raise NotImplementedError
+
+    def _device_failed(self, op: str, e: OSError) -> None:
+        raise NotImplementedError
+
+    async def read_into(self, key: BlockKey, into: memoryview, byte_range: ByteRange | None = None) -> int | None:
+        return (await self.read_many([ReadRequest(key, into, byte_range)]))[0]
+
+    async def read_many(self, requests: Sequence[ReadRequest]) -> list[int | None]:
+        """Read every hit; adjacent records of one segment are one read. Misses and failures are None.
+
+        Raises:
+            ValueError: a destination is too small or a byte range exceeds its record.
+        """
+        results: list[int | None] = [None] * len(requests)
+        ops = self._plan_reads(requests)
+        if ops:
+            try:
+                await asyncio.to_thread(self._execute_reads, ops, requests, results)
+            finally:
+                self._release([op[0] for op in ops])
+        return results
+
+    def _plan_reads(self, requests: Sequence[ReadRequest]) -> list[tuple[SegmentState, int, int, int]]:
+        """(segment, file offset, length, request index) per hit; takes a reader ref on each segment."""
+        ops = []
+        on_device = sum(isinstance(r.into, DeviceSpan) for r in requests)
+        if on_device and on_device != len(requests):
+            raise ValueError("a read batch is either all host buffers or all device spans")
+        if on_device and self.device_io is None:
+            return []  # no GPU-direct path (any more): all misses, the caller retries through host staging
+        with self._lock:
+            tick = self._next_tick()
+            try:
+                for i, r in enumerate(requests):
+                    loc = self._index.get(r.key)
+                    if loc is None:
+                        continue
+                    seq, rec_off, rec_len = loc
+                    off, length = check_range(rec_len, r.into, r.byte_range)
+                    seg = self._segments[seq]
+                    seg.readers += 1
+                    seg.last_used = tick
+                    ops.append((seg, rec_off + off, length, i))
+            except BaseException:
+                for seg, *_ in ops:
+                    seg.readers -= 1
+                raise
+        return ops
+
+    def _release(self, segs: list[SegmentState]) -> None:
+        with self._lock:
+            for seg in segs:
+                seg.readers -= 1
+                if seg.dead and seg.readers == 0 and self._io is not None:
+                    self._close_fd(seg.fd)
+
+    def _execute_reads(self, ops: list[tuple[SegmentState, int, int, int]], requests: Sequence[ReadRequest],
+                       results: list[int | None]) -> None:
+        assert self._io is not None
+        ops = sorted(ops, key=lambda o: (o[0].seq, o[1]))
+        bounce = self._take_read_bounce()
+        try:
+            start = 0
+            while start < len(ops):
+                end = start + 1
+                while (end < len(ops) and ops[end][0] is ops[start][0]
+                       and ops[end][1] == ops[end - 1][1] + ops[end - 1][2]):
+                    end += 1
+                run = ops[start:end]
+                dsts = [_destination(requests[i].into, n) for _, _, n, i in run]
+                self.io_stats["read_requests"] += 1
+                try:
+                    if isinstance(dsts[0], DeviceSpan):
+                        self._device_read(run[0][0], run[0][1], dsts)  # type: ignore[arg-type]
+                    else:
+                        read_extent(self._io, run[0][0].fd, run[0][1], dsts, bounce)  # type: ignore[arg-type]
+                except OSError as e:
+                    log.warning("SSD read of %d records from %s failed: %s", len(run), run[0][0].path.name, e)
+                    metrics.READ_ERRORS.inc()
+                else:
+                    for (_, _, n, i), d in zip(run, dsts):
+                        results[i] = n if self._verified(requests[i], d) else None
+                    metrics.BYTES_READ.inc(sum(d.nbytes for d in dsts))
+                start = end
+        finally:
+            self._read_bounces.append(bounce)
+
+    def _device_read(self, seg: SegmentState, offset: int, spans: list[DeviceSpan]) -> None:
+        dio = self._device_io
+        if dio is None:
+            raise OSError(errno.ENODEV, "GPU-direct path detached")
+        try:
+            dio.read(seg.fd, spans, offset)
+        except OSError as e:
+            self._device_failed("read", e)
+            raise
+        metrics.GPU_DIRECT_BYTES.labels("read").inc(sum(s.nbytes for s in spans))
+
+    def _verified(self, req: ReadRequest, data: np.ndarray | DeviceSpan) -> bool:
+        # Device records are verified on the device where they are consumed (device_codec).
+        if not self._verify or req.byte_range is not None or isinstance(data, DeviceSpan):
+            return True
+        try:
+            # The full identity: a foreign tenant's record under the same key bytes is a miss too.
+            verify_record(data, namespace=self._namespace, key=req.key)
+            return True
+        except RecordError as e:
+            log.warning("SSD record %s failed verification (%s); dropped", req.key.hex(), e)
+            metrics.CHECKSUM_FAILURES.inc()
+            with self._lock:
+                self._index.pop(req.key)
+            return False
+
+    def _take_read_bounce(self) -> np.ndarray:
+        try:
+            return self._read_bounces.pop()
+        except IndexError:
+            return aligned_buffer(BOUNCE_BYTES)
+
+
+def _destination(into: memoryview | DeviceSpan, n: int) -> np.ndarray | DeviceSpan:
+    if isinstance(into, DeviceSpan):
+        return DeviceSpan(into.slab, into.offset, n)
+    return as_u8(into)[:n]
