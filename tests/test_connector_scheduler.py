@@ -61,6 +61,11 @@ def sched_output(new=(), cached=(), tokens=None):
                            num_scheduled_tokens=tokens or {})
 
 
+def step_output(invalid=(), events=None):
+    """The scheduler-side ``KVConnectorOutput`` of one step: block ids that failed to load."""
+    return SimpleNamespace(invalid_block_ids=set(invalid), kv_cache_events=events)
+
+
 def test_saves_full_blocks_then_restores_the_prefix() -> None:
     writer = role(FakeLookup(set()))
     req = FakeRequest("a", list(range(10)))  # 2 full blocks + 2 tokens
@@ -180,7 +185,9 @@ def _load_step_with_failure(r: SchedulerRole, req: FakeRequest, worker):
     meta = r.build_connector_meta(sched_output(new=[("r", ids, n)], tokens={"r": 22 - n}))
     worker.start_load_kv(meta)
     worker.wait_for_save(meta)
-    assert worker.get_block_ids_with_load_errors() == {11, 12}
+    errors = worker.get_block_ids_with_load_errors()
+    assert errors == {11, 12}
+    r.update_connector_output(step_output(errors))  # vLLM hands the step's output back
     return meta
 
 
@@ -222,6 +229,7 @@ def test_load_outcome_in_flight_delays_saves_with_async_scheduling() -> None:
     req.all_token_ids.append(99)
     assert r.build_connector_meta(sched_output(cached=[("r", None, 22)], tokens={"r": 1})).saves == []
     # The load's step came back fine; only the previous decode step is in flight.
+    r.update_connector_output(step_output())
     req.num_in_flight_tokens = 1
     req.all_token_ids.append(98)
     (save,) = r.build_connector_meta(sched_output(cached=[("r", None, 23)], tokens={"r": 1})).saves
@@ -277,3 +285,68 @@ def test_block_record_larger_than_a_staging_slab_fails_at_startup() -> None:
     with pytest.raises(ConfigError, match=r"staging_slab_bytes.*at least \d{6}"):
         w.register_kv_caches(_kv_caches(8, 8, 128))  # 8 layers x 16 KiB payload: 128 KiB and headers per record
     assert w.store is None
+
+
+def _a_loads_then_b_hits_its_blocks_a_step_later(r: SchedulerRole):
+    """Async scheduling: A restores 3 blocks in step N; step N+1 is built before step N's output,
+    and B (same 12-token prefix) takes a local prefix hit on A's blocks 10, 11, 12."""
+    r._lookup = SimpleNamespace(lookup=lambda h: (3, ("ssd",) * 3), close=lambda: None)
+    a = FakeRequest("a", list(range(22)))
+    a_ids = [10, 11, 12, 13, 14, 15]
+    r.update_state_after_alloc(a, SimpleNamespace(get_block_ids=lambda: (a_ids,)),
+                               r.get_num_new_matched_tokens(a, 0)[0])
+    meta = r.build_connector_meta(sched_output(new=[("a", a_ids, 12)], tokens={"a": 10}))
+    assert [ld.block_ids for ld in meta.loads] == [[10, 11, 12]] and meta.saves == []
+    a.num_in_flight_tokens = 10  # step N in flight
+    r._lookup = SimpleNamespace(lookup=lambda h: (0, ()), close=lambda: None)
+    b = FakeRequest("b", list(range(12)) + list(range(100, 110)))
+    b_ids = [10, 11, 12, 20, 21, 22]
+    assert r.get_num_new_matched_tokens(b, 12) == (0, False)
+    r.update_state_after_alloc(b, SimpleNamespace(get_block_ids=lambda: (b_ids,)), 0)
+    a.all_token_ids.append(99)
+    meta = r.build_connector_meta(sched_output(new=[("b", b_ids, 12)], cached=[("a", None, 22)],
+                                               tokens={"b": 10, "a": 1}))
+    assert meta.loads == [] and meta.saves == []  # B computed blocks 3, 4 over blocks of unknown outcome
+    a.num_in_flight_tokens, b.num_in_flight_tokens = 11, 10
+    return a, b
+
+
+def test_prefix_hit_on_an_earlier_steps_load_holds_saves_until_its_outcome_is_known() -> None:
+    r = role(FakeLookup(set()))
+    a, b = _a_loads_then_b_hits_its_blocks_a_step_later(r)
+    # Step N+2 is built before step N+1's output: nothing may be saved yet either.
+    a.all_token_ids.append(98)
+    b.all_token_ids.append(97)
+    meta = r.build_connector_meta(sched_output(cached=[("a", None, 23), ("b", None, 22)], tokens={"a": 1, "b": 1}))
+    assert meta.saves == []
+    r.update_connector_output(step_output())  # step N: every block loaded
+    a.all_token_ids.append(96)
+    b.all_token_ids.append(95)
+    meta = r.build_connector_meta(sched_output(cached=[("a", None, 24), ("b", None, 23)], tokens={"a": 1, "b": 1}))
+    saves = {s.req_id: s for s in meta.saves}
+    assert saves["a"].block_ids == [13, 14, 15] and saves["a"].first_index == 3
+    assert saves["b"].block_ids == [20, 21, 22] and saves["b"].first_index == 3
+
+
+@pytest.mark.parametrize("rolled_back", ["a", "b"])
+def test_failed_load_under_a_prefix_hit_resumes_saves_only_where_vllm_recomputes(rolled_back: str) -> None:
+    r = role(FakeLookup(set()))
+    a, b = _a_loads_then_b_hits_its_blocks_a_step_later(r)
+    r.update_connector_output(step_output({11}))  # step N: block 11 failed on some rank
+    # vLLM rolls back the first running request holding block 11 to it (index 1); the other keeps
+    # its position, so its KV computed over block 11 stays: it must never be saved.
+    nc = {"a": 23 - 10, "b": 22} if rolled_back == "b" else {"a": 22, "b": 22}
+    nc[rolled_back] = BS
+    a.all_token_ids.append(98)
+    b.all_token_ids.append(97)
+    sched = {"a": a.num_tokens - nc["a"], "b": b.num_tokens - nc["b"]}
+    meta = r.build_connector_meta(sched_output(cached=[("a", None, nc["a"]), ("b", None, nc["b"])], tokens=sched))
+    (save,) = meta.saves
+    assert save.req_id == rolled_back and save.first_index == 1  # from the rolled-back block on
+    assert save.block_ids == ([11, 12, 13, 14, 15] if rolled_back == "a" else [11, 12, 20, 21])
+    r.update_connector_output(step_output())  # step N+1
+    other = b if rolled_back == "a" else a
+    other.all_token_ids += [1, 2, 3, 4]
+    n = other.num_tokens - 4
+    meta = r.build_connector_meta(sched_output(cached=[(other.request_id, [30], n)], tokens={other.request_id: 4}))
+    assert meta.saves == []  # still tainted after the outcome is known

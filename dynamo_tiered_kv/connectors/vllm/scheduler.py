@@ -6,10 +6,15 @@ vLLM recomputes from it on. Saves are whole blocks that become full during a ste
 copies them into staging inside that step's ``wait_for_save``, so by the time a request finishes
 its blocks are already out of the engine and ``request_finished`` never has to hold them.
 
-A request saves nothing until the outcome of its load is known: a block that failed to load
-holds garbage, everything computed over it too (on every TP rank, through the all-reduce), and
-vLLM recomputes from the failed block on. Once known, saves resume from vLLM's (rolled back)
-``num_computed_tokens``, so the recomputed blocks are stored.
+A request saves nothing while a block it computes over has an unknown load outcome (its own
+load, or another request's load it took a local prefix hit on, possibly in an earlier step whose
+output is not back yet: see ``load_outcomes``). A block that failed to load holds garbage, and so
+does everything computed over it (on every TP rank, through the all-reduce). Once every outcome
+is known: all loaded, saves resume where they stopped; a failure and vLLM rolled the request back
+to where its held computation began (or earlier), saves resume from the rolled-back
+``num_computed_tokens``, so the recomputed blocks are stored; a failure and vLLM kept KV computed
+over the failed block (it rolls back only one request per shared block), the request never saves
+again.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 
 from ...config import TieredKVConfig
 from ...keys import ROOT_KEY, Namespace, block_key, scope_salt
+from .load_outcomes import LoadOutcomes
 from .metadata import LoadSpec, SaveSpec, TieredKVMetadata
 from .rendezvous import LookupClient
 
@@ -41,9 +47,10 @@ class _Req:
     num_local: int = 0  # tokens the engine's own prefix cache had
     saved: int = 0  # blocks [0, saved) are stored, loaded or deliberately skipped
     pending_load: LoadSpec | None = None
-    #: set while the outcome of a load is unknown: tokens scheduled for this request in the steps
-    #: after the load's step (with async scheduling those are built before the load's output)
-    after_load: int | None = None
+    #: num_computed_tokens when its saves were first held on an unknown load outcome
+    held_from: int | None = None
+    #: kept KV computed over a block that failed to load: never save again
+    tainted: bool = False
 
     def hashes_upto(self, n: int) -> list[bytes]:
         tokens = self.request.all_token_ids
@@ -68,6 +75,7 @@ class SchedulerRole:
         self.min_prefix_blocks = config.min_prefix_blocks
         self.kv_events = kv_events
         self._events = None  # TieredKVEvents merged from the workers' outputs
+        self._outcomes = LoadOutcomes()
 
     def _state(self, request: Any) -> _Req:
         st = self._reqs.get(request.request_id)
@@ -117,12 +125,13 @@ class SchedulerRole:
 
     def build_connector_meta(self, scheduler_output: Any) -> TieredKVMetadata:
         meta = TieredKVMetadata()
-        loading: set[int] = set()  # engine blocks restored in this step
+        loading: list[int] = []  # engine blocks restored in this step
         for st in self._reqs.values():
             if st.pending_load is not None:
                 meta.loads.append(st.pending_load)
-                loading.update(st.pending_load.block_ids)
+                loading.extend(st.pending_load.block_ids)
                 st.pending_load = None
+        self._outcomes.step_built(loading)
         computed: dict[str, int] = {}
         for nr in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(nr.req_id)
@@ -147,17 +156,8 @@ class SchedulerRole:
             if st.ns is None:
                 continue
             n_sched = scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            if not loading.isdisjoint(st.block_ids):
-                st.after_load = 0  # computes on blocks being loaded (its own, or shared with another)
+            if not self._may_save(req_id, st, n_computed):
                 continue
-            if st.after_load is not None:
-                if getattr(st.request, "num_in_flight_tokens", 0) > st.after_load:
-                    st.after_load += n_sched  # the load's step is still in flight
-                    continue
-                # The load's outcome is known: vLLM rolled num_computed_tokens back to the first
-                # failed block, and everything from there is recomputed, so save from there.
-                st.after_load = None
-                st.saved = min(st.saved, n_computed // bs)
             n_after = n_computed + n_sched
             full = min(n_after, st.request.num_tokens) // bs
             full = min(full, len(st.block_ids))
@@ -171,7 +171,31 @@ class SchedulerRole:
             st.saved = full
         return meta
 
+    def _may_save(self, req_id: str, st: _Req, n_computed: int) -> bool:
+        """Whether ``st`` may save this step; on a settled failure, moves ``saved`` back."""
+        if st.tainted:
+            return False
+        self._outcomes.touch(req_id, st.block_ids)
+        failed = self._outcomes.settle(req_id)
+        if failed is None:  # computes over blocks whose load outcome is unknown
+            if st.held_from is None:
+                st.held_from = n_computed
+            return False
+        held_from, st.held_from = st.held_from, None
+        if not failed:
+            return True  # every block it computed over loaded: what it computed meanwhile is sound
+        if held_from is not None and n_computed <= held_from:
+            # vLLM rolled it back past everything computed while held: that is recomputed now.
+            st.saved = min(st.saved, n_computed // self.block_size)
+            return True
+        log.info("request %s keeps KV computed over blocks that failed to load; it saves nothing more",
+                 req_id)
+        st.tainted = True
+        return False
+
     def update_connector_output(self, connector_output: Any) -> None:
+        # One output per built step, in step order: the oldest step's load outcome is now known.
+        self._outcomes.step_output(getattr(connector_output, "invalid_block_ids", None) or ())
         events = getattr(connector_output, "kv_cache_events", None)
         if events is None or type(events).__name__ != "TieredKVEvents":
             return
@@ -192,6 +216,7 @@ class SchedulerRole:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves were copied to staging inside the steps that computed them (see module docstring).
         self._reqs.pop(request.request_id, None)
+        self._outcomes.forget(request.request_id)
         return False, None
 
     def shutdown(self) -> None:
