@@ -74,8 +74,8 @@ async def persist(tiers: Sequence[Tier], background: Sequence[Background], flush
         if drain is None:
             continue
         timeout = max(0.0, flush_until - time.monotonic())
-        try:
-            if not await drain(timeout):
+        try:  # wait_for: a drain that overstays its timeout must not eat the time left to close tiers
+            if not await asyncio.wait_for(drain(timeout), timeout + 0.5):
                 log.warning("background task %r still had work after %.1fs at close; the next start resumes it",
                             b, timeout)
         except Exception as e:

@@ -114,3 +114,15 @@ def test_exit_without_close_keeps_every_accepted_offload(tmp_path: Path, mode: s
     proc, seconds = _run_child(tmp_path, mode)
     _check_everything_kept(tmp_path, proc)
     assert seconds < 120
+
+
+def test_close_all_closes_open_stores_once(tmp_path: Path) -> None:
+    from dynamo_tiered_kv import lifecycle
+
+    a = build_store(TieredKVConfig.from_mapping(_config(tmp_path / "a")), NS)
+    b = build_store(TieredKVConfig.from_mapping(_config(tmp_path / "b")), NS)
+    b.close()
+    assert a in lifecycle._stores and b not in lifecycle._stores
+    lifecycle.close_all()
+    assert a.closed and a not in lifecycle._stores
+    lifecycle.close_all()  # nothing left: a no-op

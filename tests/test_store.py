@@ -343,3 +343,63 @@ def test_second_hit_guards_storage_even_without_a_host_tier(pool: StagingPool) -
         store.submit_offload(layout, [1, 2], keys, parents_of(keys))
         store.drain(10)
         assert all(ssd.contains(k) for k in keys)
+
+
+class _StuckFlusher:
+    """Write-back that never finishes and ignores its drain timeout (an object store hanging)."""
+
+    async def run(self) -> None:
+        await asyncio.Event().wait()
+
+    async def stop(self) -> None:
+        pass
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        await asyncio.sleep(3600)
+        return True
+
+
+def test_close_by_keeps_its_deadline_with_stuck_writes_and_write_back(pool: StagingPool) -> None:
+    import time
+
+    slow = GatedTier("ssd", 64 * REC)
+    store = make_store([HostTier(64 * REC, chunk_bytes=REC, pin=False), slow], pool, background=[_StuckFlusher()])
+    layout, keys = make_layout(seed=1), keys_for(4)
+    slow.gate.clear()  # the SSD write never returns
+    assert store.submit_offload(layout, [0, 1, 2, 3], keys, parents_of(keys))
+    t0 = time.monotonic()
+    store.close_by(t0 + 1.0)
+    assert time.monotonic() - t0 < 2.5  # the deadline plus at most a second to stop the loop
+    assert store.closed and not store.submit_offload(layout, [4], keys_for(1, start=4), parents_of(keys_for(1)))
+    slow.gate.set()
+
+
+def test_concurrent_closes_close_once(pool: StagingPool) -> None:
+    closes: list[str] = []
+
+    class Counting(GatedTier):
+        async def close(self) -> None:
+            closes.append(self.name)
+            await super().close()
+
+    tier = Counting("host", 64 * REC)
+    store = make_store([tier], pool)
+    layout, keys = make_layout(seed=1), keys_for(2)
+    tier.gate.clear()  # every closer waits in drain, then all race to shut down
+    assert store.submit_offload(layout, [0, 1], keys, parents_of(keys))
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            store.close(5)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=close) for _ in range(4)]
+    for t in threads:
+        t.start()
+    threading.Event().wait(0.3)
+    tier.gate.set()
+    for t in threads:
+        t.join(30)
+    assert errors == [] and closes == ["host"] and store._closed
