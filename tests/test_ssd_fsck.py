@@ -87,3 +87,34 @@ def test_url_target_is_handed_to_the_object_tier_checker(tmp_path: Path, capsys:
     pytest.importorskip("dynamo_tiered_kv.tiers.objectstore.fsck")
     assert main(["fsck", f"file://{tmp_path}"]) == 0
     assert "0 records verified" in capsys.readouterr().out
+
+
+async def test_truncated_older_segment_is_corruption_but_a_torn_newest_one_is_not(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    await _populate(tmp_path)  # 12 records of 12 KiB in 64 KiB segments: three segments
+    segs = list_segments(tmp_path / "rank-000")
+    assert len(segs) == 3
+    newest = segs[-1][1]
+    with open(newest, "r+b") as f:
+        f.truncate(12288 + 5000)  # looks like a crash of the open segment: a warning
+    assert main(["fsck", str(tmp_path)]) == 0
+    assert "warning" in capsys.readouterr().out
+    first = segs[0][1]
+    with open(first, "r+b") as f:
+        f.truncate(12288 + 5000)  # the same cut in a segment that was sealed: no crash did that
+    assert main(["fsck", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("CORRUPT"))
+    assert first.name in line and "not the newest" in line
+    assert "1 corrupt" in out
+
+
+async def test_stray_entries_are_reported_not_fatal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    await _populate(tmp_path)
+    rank_dir = tmp_path / "rank-000"
+    (rank_dir / "seg-00000099.dtkv").mkdir()
+    (rank_dir / "tombstones.log").unlink(missing_ok=True)
+    (rank_dir / "tombstones.log").mkdir()
+    assert main(["fsck", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "12 records verified" in out and "seg-00000099.dtkv" in out and "tombstones.log" in out
