@@ -91,6 +91,7 @@ class WorkerRole:
         return r.num_blocks, r.tier_per_block
 
     def start_load_kv(self, meta: TieredKVMetadata) -> None:
+        """Run this step's loads, all within one ``load_timeout_s`` (the whole batch waits on them)."""
         self._failed_this_step = set()
         if self.store is None or self.layout is None:
             for spec in meta.loads:
@@ -98,9 +99,16 @@ class WorkerRole:
             self._load_errors |= self._failed_this_step
             return
         t0 = time.perf_counter()
-        for spec in meta.loads:
-            res = self.store.load(self.layout, spec.block_ids, self.keys_of(spec.token_hashes),
-                                  timeout=self.config.load_timeout_s)
+        deadline = time.monotonic() + self.config.load_timeout_s
+        for i, spec in enumerate(meta.loads):
+            left = deadline - time.monotonic()
+            if left <= 0:  # past the step's deadline: the rest are recomputed, not waited on
+                late = [b for s in meta.loads[i:] for b in s.block_ids]
+                log.warning("step load deadline (%.1fs) passed: %d blocks of %d requests will be recomputed",
+                            self.config.load_timeout_s, len(late), len(meta.loads) - i)
+                self._failed_this_step.update(late)
+                break
+            res = self.store.load(self.layout, spec.block_ids, self.keys_of(spec.token_hashes), timeout=left)
             self.served[spec.req_id] = res.tier_per_block
             if len(self.served) > _SERVED_HISTORY:
                 self.served.popitem(last=False)
