@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ...config import TieredKVConfig
+from ...errors import ConfigError
 from .identity import model_identity
 from .metadata import TieredKVMetadata
 from .rendezvous import LookupClient, engine_key
@@ -45,6 +46,7 @@ def _kv_dtype(vllm_config: Any) -> str:
 
 class TieredKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        _refuse_context_parallel(vllm_config.parallel_config)
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.config = TieredKVConfig.from_mapping(dict(ktc.kv_connector_extra_config or {}))
@@ -140,6 +142,24 @@ class TieredKVConnector(KVConnectorBase_V1):
             self._worker.shutdown()
         if self._scheduler is not None:
             self._scheduler.shutdown()
+
+
+def _refuse_context_parallel(parallel_config: Any) -> None:
+    """Context parallelism shards every block's tokens across ranks; stored records cannot name them.
+
+    With ``decode_context_parallel_size`` (dcp) > 1 vLLM's scheduler block spans
+    ``block_size * dcp`` tokens and each rank's KV block holds an interleaved 1/dcp of them, while
+    the connector names and stores ``block_size``-token blocks: loads and saves would pair wrong
+    tokens with wrong blocks. Prefill context parallelism (pcp) shards the same way.
+    """
+    dcp = int(getattr(parallel_config, "decode_context_parallel_size", 1) or 1)
+    pcp = int(getattr(parallel_config, "prefill_context_parallel_size", 1) or 1)
+    if dcp > 1 or pcp > 1:
+        raise ConfigError(
+            f"TieredKVConnector does not support context parallelism (decode_context_parallel_size={dcp}, "
+            f"prefill_context_parallel_size={pcp}): each rank holds an interleaved share of every block's "
+            "tokens and a scheduler block spans block_size x dcp tokens, which stored block-size records "
+            "cannot name; run with both at 1 or without the connector")
 
 
 def _tp_rank() -> int:
