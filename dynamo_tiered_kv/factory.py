@@ -134,6 +134,7 @@ def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | Non
             ttl_s=config.object_ttl_s,
             refresh_interval_s=config.object_refresh_s,
             verify_reads=False,  # the store verifies every record it loads and counts failures per tier
+            namespace=namespace.digest,  # the identity the tier checks when it verifies reads itself
         )
         tiers.append(obj)
         ttls.append(None)  # object retention is the GC's job (dtkv gc), shared across nodes

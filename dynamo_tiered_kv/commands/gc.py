@@ -73,5 +73,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.target}: {rep.manifests} manifests ({rep.expired_manifests} expired, {rep.bad_manifests} "
               f"unreadable), {rep.data_objects} data objects; {verb} {rep.deleted_data} "
               f"({rep.deleted_bytes / 2**20:.1f} MiB), {rep.tombstoned} entered grace, "
-              f"{rep.aborted_uploads} stale uploads aborted, {rep.errors} errors")
+              f"{rep.aborted_uploads} stale uploads aborted, quarantine: {rep.quarantine_cleared} cleared, "
+              f"{rep.quarantine_dropped} corrupt records dropped; {rep.errors} errors")
     return 1 if rep.errors else 0

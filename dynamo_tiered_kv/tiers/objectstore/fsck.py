@@ -4,7 +4,9 @@ For each manifest: the manifest parses and its checksum holds, its data object e
 recorded size, and every record verifies (``codec.verify_record``: header and payload
 checksums, and the key the manifest names). Data is read one contiguous run per GET, in chunks
 of at most ``chunk_bytes``. Data objects no manifest references are reported as orphans
-(a warning: ``dtkv gc`` collects them).
+(a warning: ``dtkv gc`` collects them). Quarantine markers (records a node failed to verify
+twice; ``quarantine.py``) are listed as warnings too: a record that is really bad also shows up
+as a problem above, and ``dtkv gc`` resolves every marker.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ...errors import RecordError, TierUnavailable
 from ..segments import SegmentEntry
 from .backend import ObjectBackend
 from .manifest import DATA_DIR, MANIFEST_DIR, Manifest, ManifestError
+from .quarantine import read_markers
 from .urls import backend_from_url
 
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -40,6 +43,7 @@ class FsckReport:
     records_ok: int = 0
     bytes_verified: int = 0
     orphans: list[str] = field(default_factory=list)
+    quarantined: list[str] = field(default_factory=list)  # "<data>@<offset> key <hex>: <reason>"
     problems: list[FsckProblem] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -73,6 +77,9 @@ async def fsck_backend(backend: ObjectBackend, *, chunk_bytes: int = DEFAULT_CHU
         for run in _runs(m.entries, chunk_bytes):
             await _check_run(backend, m.data, run, rep)
     rep.orphans = sorted(n for n in data if n not in referenced)
+    for name, mk in await read_markers(backend):
+        rep.quarantined.append(f"{name}: unreadable marker" if mk is None else
+                               f"{mk.data}@{mk.offset} key {mk.key.hex()}: {mk.reason} (from {mk.origin})")
     return rep
 
 
@@ -135,6 +142,8 @@ def fsck_objects(target: str, *, as_json: bool = False, chunk_bytes: int = DEFAU
               f"verified ({rep.bytes_verified / 2**20:.1f} MiB), {len(rep.orphans)} orphans")
         for o in rep.orphans:
             print(f"warning: orphan data object {o} (dtkv gc removes it after the grace period)")
+        for q in rep.quarantined:
+            print(f"warning: quarantined {q} (dtkv gc re-verifies and resolves it)")
         for p in rep.problems:
             where = p.object + (f" @ offset {p.offset}" if p.offset is not None else "")
             print(f"CORRUPT: {where}{' key ' + p.key if p.key else ''}: {p.error}")

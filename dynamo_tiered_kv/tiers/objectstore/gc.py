@@ -10,10 +10,14 @@ Rules (docs/OBJECTS.md):
    tombstone is older than ``grace_s`` and the data is still unreferenced. A node that reads a
    deleted data object gets a miss (404), never wrong bytes.
 3. A tombstone whose data became referenced again (another node re-published the same content)
-   is removed. Manifests are re-listed right before data is deleted to narrow that race.
+   is removed. Manifests are re-listed right before data is deleted, and each object is deleted
+   only if its tombstone still exists: a publisher that finds the data already there deletes
+   the tombstone before writing its manifest (and re-checks the data after; ``tier.py``).
 4. Unfinished multipart uploads (and local temp files) older than ``grace_s`` are aborted.
 5. Unreadable manifests are kept for ``grace_s`` (they may be mid-replace on an odd server),
    then deleted; their data then follows rule 2.
+6. Quarantine markers (``quarantine.py``) are resolved first: a record that verifies again is
+   cleared, one that fails twice more is dropped from the manifests listing it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import asdict, dataclass
 from ...errors import TierUnavailable
 from .backend import ObjectBackend
 from .manifest import DATA_DIR, MANIFEST_DIR, TOMBSTONE_DIR, Manifest, ManifestError, digest_of, tombstone_name
+from .quarantine import resolve_quarantine
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +49,9 @@ class GcReport:
     deleted_bytes: int = 0
     resurrected: int = 0  # tombstones dropped because the data is referenced again
     aborted_uploads: int = 0
+    spared: int = 0  # ripe data kept because a publisher cleared its tombstone meanwhile
+    quarantine_cleared: int = 0  # markers whose record verified again (or is no longer listed)
+    quarantine_dropped: int = 0  # records confirmed corrupt and removed from their manifests
     errors: int = 0
     dry_run: bool = False
 
@@ -77,6 +85,8 @@ async def gc_objects(backend: ObjectBackend, *, ttl_s: float | None, grace_s: fl
                 log.warning("gc: %s", e)
                 return None
 
+    q = await resolve_quarantine(backend, dry_run=dry_run)  # rule 6, before manifests are read
+    rep.quarantine_cleared, rep.quarantine_dropped, rep.errors = q.cleared, q.dropped, q.errors
     manifests = await backend.list(MANIFEST_DIR)
     rep.manifests = len(manifests)
     raws = await asyncio.gather(*(guarded(backend.get_bytes(m.name)) for m in manifests))
@@ -129,7 +139,13 @@ async def gc_objects(backend: ObjectBackend, *, ttl_s: float | None, grace_s: fl
                     referenced.add(Manifest.from_bytes(raw).data)  # type: ignore[arg-type]
         ripe = [d for d in ripe if d.name not in referenced]
         if not dry_run:
-            results = await asyncio.gather(*(guarded(backend.delete(d.name)) for d in ripe))
+            async def delete_if_tombstoned(name: str) -> bool | None:
+                if await backend.head(tombstone_name(name)) is None:
+                    rep.spared += 1  # re-published after our listings (the tombstone was cleared)
+                    return None
+                return await backend.delete(name)
+
+            results = await asyncio.gather(*(guarded(delete_if_tombstoned(d.name)) for d in ripe))
             await asyncio.gather(*(guarded(backend.delete(tombstone_name(d.name))) for d in ripe))
             rep.deleted_data = sum(1 for r in results if r)
             rep.deleted_bytes = sum(d.size for d, r in zip(ripe, results) if r)

@@ -5,10 +5,17 @@
   and any node pointed at the bucket discovers what every other node stored.
 * ``read_many`` groups requests by data object and coalesces byte-contiguous ones into ONE ranged
   GET scattered into the callers' buffers: restoring a prefix costs one GET per contiguous run.
-  Whole-record reads are verified (``codec.verify_record``, key included); a record that fails is
-  a miss, counted in ``stats.corrupt_reads``, and dropped from the index: never served.
+  Whole-record reads are verified (``codec.verify_record``: key, and the namespace when given);
+  a record that fails is read once more, and if it fails again it is a miss, counted in
+  ``stats.corrupt_reads``, and never served by this node.
+* Shared state is never changed because of a read: ``delete`` (what the store calls after a
+  failed verification) and read failures only exclude the record from *this node's* index; a
+  record that fails a fresh re-read too gets a quarantine marker (``quarantine.py``) that
+  ``dtkv gc`` resolves. ``write_many`` never rewrites other manifests either.
 * ``write_many`` packs a run into one data object + manifest; ``publish_segment`` uploads a
-  sealed SSD segment file as-is (the flusher's path). Both publish data first, manifest second.
+  sealed SSD segment file as-is (the flusher's path). Both publish data first, manifest second,
+  clear the data's GC tombstone, and check the data still exists after the manifest is visible
+  (re-uploading it if GC deleted it meanwhile): a published manifest never points at nothing.
 * When a key is in several manifests (two nodes flushed the same prefix), the newest wins.
 * Capacity: when live bytes exceed ``capacity_bytes`` the oldest objects are dropped (manifest
   deleted; the data becomes an orphan that ``gc`` removes after its grace period, so readers
@@ -30,12 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...codec import verify_record
-from ...errors import RecordError, TierFull, TierUnavailable
+from ...errors import NamespaceMismatch, RecordError, TierFull, TierUnavailable
 from ...keys import BlockKey
 from ..base import ByteRange, ReadRequest, Tier, TierCapabilities, TierUsage, check_range
 from ..segments import SealedSegment, SegmentEntry
 from .backend import FileSource, ObjectBackend
-from .manifest import MANIFEST_DIR, Manifest, ManifestError, content_digest, data_name
+from .manifest import MANIFEST_DIR, Manifest, ManifestError, content_digest, data_name, tombstone_name
+from .quarantine import new_marker, record_fails, write_marker
 from .retry import with_timeout
 
 log = logging.getLogger(__name__)
@@ -51,11 +59,14 @@ class ObjectTierStats:
     gets: int = 0  # ranged GETs issued by read_many
     runs: int = 0  # contiguous runs read (== gets)
     records_read: int = 0
-    corrupt_reads: int = 0
+    corrupt_reads: int = 0  # records that failed verification twice (never served)
+    reread_ok: int = 0  # records that failed once and verified on the re-read (served)
+    quarantined: int = 0  # quarantine markers written
     missing_objects: int = 0
     objects_published: int = 0
     objects_deduplicated: int = 0  # publish found the data already there (another node)
     evicted_objects: int = 0
+    reuploaded_objects: int = 0  # data deleted (by gc) between our data and manifest puts
 
 
 @dataclass
@@ -89,6 +100,8 @@ class ObjectTier(Tier):
         refresh_interval_s: if set, re-list manifests in the background to pick up other nodes'
             objects; otherwise call ``refresh()``.
         origin: tag written into manifests (node name), for operators.
+        namespace: expected namespace digest of every record; verifying reads then check the
+            full identity (a foreign tenant's record with the same key bytes is a miss).
     """
 
     name = "object"
@@ -96,7 +109,8 @@ class ObjectTier(Tier):
 
     def __init__(self, backend: ObjectBackend, *, capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
                  ttl_s: float | None = DEFAULT_TTL_S, verify_reads: bool = True, read_timeout_s: float = 30.0,
-                 max_concurrency: int = 8, refresh_interval_s: float | None = None, origin: str = "") -> None:
+                 max_concurrency: int = 8, refresh_interval_s: float | None = None, origin: str = "",
+                 namespace: bytes | None = None) -> None:
         if capacity_bytes <= 0 or max_concurrency < 1 or read_timeout_s <= 0:
             raise ValueError("capacity_bytes, max_concurrency and read_timeout_s must be positive")
         self.backend = backend
@@ -107,6 +121,7 @@ class ObjectTier(Tier):
         self.max_concurrency = max_concurrency
         self.refresh_interval_s = refresh_interval_s
         self.origin = origin or f"{os.uname().nodename}:{os.getpid()}"
+        self.namespace = namespace
         self.stats = ObjectTierStats()
         self._objs: dict[str, _Obj] = {}
         self._index: dict[BlockKey, tuple[_Obj, SegmentEntry]] = {}
@@ -117,6 +132,9 @@ class ObjectTier(Tier):
         self._refresher: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[None]] = set()
         self._expired: set[str] = set()  # manifests past their TTL: not indexed, not refetched
+        # (data object, offset) per key that this node no longer serves (delete, failed reads);
+        # local only, so one node's bad read never removes shared data for the others
+        self._excluded: dict[BlockKey, set[tuple[str, int]]] = {}
         self.available = True
 
     def __repr__(self) -> str:
@@ -147,6 +165,8 @@ class ObjectTier(Tier):
             obj = self._objs[name] = _Obj(name, m)
         for e in m.entries:
             self._holders.setdefault(e.key, set()).add(name)
+            if (m.data, e.offset) in self._excluded.get(e.key, ()):
+                continue
             cur = self._index.get(e.key)
             if cur is not None:
                 if cur[0] is obj or cur[0].manifest.created_at > m.created_at:
@@ -294,16 +314,52 @@ class ObjectTier(Tier):
             return
         for w in run:
             if self.verify_reads and w.whole:
-                try:
-                    verify_record(w.dest, key=w.key)
-                except RecordError as e:
+                bad = self._check(w.dest, w.key)
+                if bad is not None:  # believe it only if a fresh read fails too (bits flip in transit)
+                    bad, sure = await self._reread(obj.manifest.data, w, bad)
+                    if bad is None:
+                        self.stats.reread_ok += 1
+                if bad is not None:
                     self.stats.corrupt_reads += 1
-                    log.warning("corrupt record %s in %s: %s", w.key.hex(), obj.manifest.data, e)
-                    if self._index.get(w.key, (None,))[0] is obj:
-                        self._unlink(w.key)
+                    log.warning("corrupt record %s in %s: %s", w.key.hex(), obj.manifest.data, bad)
+                    self._exclude(w.key, obj.manifest.data, w.offset)
+                    if sure and not isinstance(bad, NamespaceMismatch):  # a foreign record is fine as such
+                        self._spawn(self._quarantine(w.key, obj.manifest.data, w.offset, w.length,
+                                                     f"{type(bad).__name__}: {bad}"))
                     continue
             results[w.index] = w.length
             self.stats.records_read += 1
+
+    def _check(self, view: memoryview, key: BlockKey) -> RecordError | None:
+        try:
+            verify_record(view, namespace=self.namespace, key=key)
+        except RecordError as e:
+            return e
+        return None
+
+    async def _reread(self, data: str, w: _Want, first: RecordError) -> tuple[RecordError | None, bool]:
+        """Read ``w`` again. Returns (error or None, whether the outcome is certain: False when
+        the re-read could not be done, so the first failure stands but is not confirmed)."""
+        try:
+            async with self._sem:
+                got = await self.backend.get_range(data, w.offset, [w.dest])
+        except TierUnavailable:
+            return first, False
+        if got is None:
+            return first, False
+        return self._check(w.dest, w.key), True
+
+    def _exclude(self, key: BlockKey, data: str, offset: int) -> None:
+        """Stop serving ``key`` at this location on this node (nothing remote changes)."""
+        self._excluded.setdefault(key, set()).add((data, offset))
+        loc = self._index.get(key)
+        if loc is not None and loc[0].manifest.data == data and loc[1].offset == offset:
+            self._unlink(key)
+
+    async def _quarantine(self, key: BlockKey, data: str, offset: int, length: int, reason: str) -> None:
+        await write_marker(self.backend, new_marker(data, offset, length, key, reason, self.origin))
+        self.stats.quarantined += 1
+        log.warning("quarantined record %s at %s@%d (%s); dtkv gc resolves it", key.hex(), data, offset, reason)
 
     # --- writes ---------------------------------------------------------------------------------
     async def write(self, key: BlockKey, data: memoryview) -> None:
@@ -332,15 +388,9 @@ class ObjectTier(Tier):
         digest = content_digest(total, entries, lambda o, n: bytes(buf[o:o + n]))
         m = await self._publish(digest, memoryview(buf), total, tuple(entries), self.origin)
         async with self._lock:
-            self._add(m.name, m)
-            stale: dict[str, set[BlockKey]] = {}  # the new values replace copies in other manifests
-            for k in last:
-                for n in self._holders.get(k, ()):
-                    if n != m.name:
-                        stale.setdefault(n, set()).add(k)
-            for n, drop in stale.items():
-                if n in self._objs:
-                    await self._rewrite_locked(self._objs[n], drop)
+            # Other manifests listing these keys are left alone (they may be other nodes' only
+            # copy of the rest of their records); the newest manifest wins in every index.
+            self._add_fresh(m)
             self._enforce_capacity_locked()
 
     async def publish_segment(self, seg: SealedSegment) -> Manifest:
@@ -354,9 +404,15 @@ class ObjectTier(Tier):
         m = await self._publish(digest, FileSource(Path(seg.path), seg.size), seg.size, seg.entries,
                                 f"{self.origin}/{seg.segment_id}")
         async with self._lock:
-            self._add(m.name, m)
+            self._add_fresh(m)
             self._enforce_capacity_locked()
         return m
+
+    def _add_fresh(self, m: Manifest) -> None:
+        """Index what this node just published; it lifts this node's exclusions of those keys."""
+        for e in m.entries:
+            self._excluded.pop(e.key, None)
+        self._add(m.name, m)
 
     async def _publish(self, digest: str, src: memoryview | FileSource, size: int,
                        entries: tuple[SegmentEntry, ...], origin: str) -> Manifest:
@@ -365,37 +421,48 @@ class ObjectTier(Tier):
             self.stats.objects_published += 1
         else:
             self.stats.objects_deduplicated += 1
+            # It may be an orphan that gc tombstoned: clear the tombstone before our manifest
+            # exists, so a gc that checks it before deleting spares the object.
+            await self.backend.delete(tombstone_name(dname))
         m = Manifest(dname, size, time.time(), entries, origin)
         await self.backend.put_object(m.name, m.to_bytes(), if_absent=True)  # only after the data
-        return m
+        # A gc that listed manifests before ours existed may have deleted the data meanwhile:
+        # check now that the manifest is visible (later gc runs see it) and upload again if so.
+        for _ in range(3):
+            if await self.backend.head(dname) is not None:
+                return m
+            log.warning("data object %s vanished while publishing (gc race); uploading it again", dname)
+            self.stats.reuploaded_objects += 1
+            await self.backend.put_object(dname, src, if_absent=True)
+        raise TierUnavailable(f"data object {dname} keeps vanishing after upload")
 
     async def delete(self, key: BlockKey) -> bool:
-        async with self._lock:
-            present = key in self._index
-            self._unlink(key)
-            for obj in [self._objs[n] for n in list(self._holders.get(key, ()))]:
-                await self._rewrite_locked(obj, {key})
-            return present
+        """Stop serving ``key`` on this node; shared objects are never changed.
 
-    async def _rewrite_locked(self, obj: _Obj, drop: set[BlockKey]) -> None:
-        """Publish ``obj``'s manifest without ``drop`` (or delete it if nothing is left)."""
-        keep = [e for e in obj.manifest.entries if e.key not in drop]
-        if len(keep) == len(obj.manifest.entries):
-            return
-        new = obj.manifest.with_entries(keep) if keep else None
-        if new is not None:
-            await self.backend.put_object(new.name, new.to_bytes(), if_absent=True)
-        await self.backend.delete(obj.name)
-        live = {k: e for k, e in obj.live.items() if k not in drop}
-        self._forget(obj)
-        if new is not None:
-            nobj = self._objs[new.name] = _Obj(new.name, new)
-            for e in new.entries:
-                self._holders.setdefault(e.key, set()).add(new.name)
-                if e.key in live:
-                    self._index[e.key] = (nobj, e)
-                    nobj.live[e.key] = e
-                    self._used += e.length
+        The store calls this when a record failed verification. The record is read once more: if
+        that read fails key-only verification too, a quarantine marker reports it to ``dtkv gc``
+        (which decides for every node); if it verifies, the first failure was in transit, or the
+        record belongs to another namespace, and nothing is reported.
+        """
+        async with self._lock:
+            loc = self._index.get(key)
+            for n in self._holders.get(key, ()):
+                o = self._objs.get(n)
+                for e in o.manifest.entries if o is not None else ():
+                    if e.key == key:
+                        self._excluded.setdefault(key, set()).add((o.manifest.data, e.offset))
+            self._unlink(key)
+        if loc is None:
+            return False
+        data, e = loc[0].manifest.data, loc[1]
+        try:
+            why = await with_timeout(record_fails(self.backend, data, e.offset, e.length, key, reads=1),
+                                     self.read_timeout_s)
+            if why is not None:
+                await self._quarantine(key, data, e.offset, e.length, why)
+        except (TierUnavailable, asyncio.TimeoutError, TimeoutError) as err:
+            log.warning("could not re-check record %s at %s@%d: %s", key.hex(), data, e.offset, err)
+        return True
 
     def _enforce_capacity_locked(self) -> None:
         if self._used <= self.capacity_bytes:
