@@ -276,7 +276,7 @@ async def test_record_that_cannot_fit_raises_without_evicting(tmp_path: Path) ->
 
 async def test_eviction_reads_footer_and_unlinks_without_the_index_lock(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from dynamo_tiered_kv.tiers.ssd import tier as tier_mod
+    from dynamo_tiered_kv.tiers.ssd import eviction as tier_mod
 
     t = await opened(tmp_path, capacity_bytes=1 << 20, segment_bytes=256 << 10)
     held_during_io: list[bool] = []

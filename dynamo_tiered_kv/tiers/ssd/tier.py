@@ -35,6 +35,7 @@ from ...keys import KEY_BYTES, BlockKey
 from ..base import Tier, TierCapabilities, TierUsage
 from ..segments import SealedSegment, SegmentEntry
 from . import metrics
+from .eviction import EvictionMixin
 from .flushing import SegmentSourceMixin, SegmentState
 from .gds import DeviceIO, DeviceSpan
 from .index import CompactIndex
@@ -46,11 +47,9 @@ from .segment import (
     LOCK_FILE,
     TOMBSTONE_FILE,
     build_footer,
-    flushed_marker,
     footer_bytes,
     list_segments,
     pack_tombstone,
-    read_footer_at,
     segment_name,
 )
 
@@ -60,7 +59,7 @@ DEFAULT_SEGMENT_BYTES = 256 << 20
 _DEGRADING_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM, errno.EFBIG}
 
 
-class SSDTier(SegmentSourceMixin, ReadPathMixin, Tier):
+class SSDTier(SegmentSourceMixin, ReadPathMixin, EvictionMixin, Tier):
     """Segment-log SSD tier. Constructor keyword arguments are its config schema.
 
     Args:
@@ -519,53 +518,6 @@ class SSDTier(SegmentSourceMixin, ReadPathMixin, Tier):
     def _next_tick(self) -> int:
         self._tick += 1
         return self._tick
-
-    # --- capacity ---------------------------------------------------------------------------
-    def _evictable(self, seg: SegmentState) -> bool:
-        allow = self._allow_unflushed if self._allow_unflushed is not None else not self._flusher_attached
-        return seg.sealed and not seg.dead and seg.pins == 0 and (seg.flushed or allow)
-
-    def _make_room(self, need: int) -> None:
-        """Evict least recently used segments until ``need`` more bytes fit the budget.
-
-        Runs on the writer thread, the only one that adds or removes segments. The lock is held
-        only to pick a victim and to drop its index entries, never across the footer read or the
-        unlink, so lookups (``contains`` on the scheduler's hot path) never wait on the disk.
-        """
-        while True:
-            with self._lock:
-                if self._used + need <= self._capacity:
-                    return
-                victims = [s for s in self._segments.values() if self._evictable(s)]
-                if not victims or self._used - sum(s.size for s in victims) + need > self._capacity:
-                    raise TierFull(f"SSD tier needs {need} bytes, holds {self._used} of {self._capacity}, and "
-                                   "evicting every evictable segment (sealed, not pinned, flushed or allowed "
-                                   "unflushed) would not make room")
-                victim = min(victims, key=lambda s: s.last_used)
-            footer = read_footer_at(victim.path, victim.size)
-            with self._lock:
-                if not self._evictable(victim):  # the flusher pinned it meanwhile: pick again
-                    continue
-                self._evict_locked(victim, None if footer is None else footer.entries["key"].tolist())
-            for p in (victim.path, flushed_marker(victim.path)):
-                p.unlink(missing_ok=True)
-            metrics.EVICTED_SEGMENTS.inc()
-            metrics.USED_BYTES.set(self._used)
-
-    def _evict_locked(self, seg: SegmentState, keys: list[bytes] | None) -> None:
-        """Forget ``seg`` (its index entries, its bytes); its fd closes when the last reader leaves."""
-        assert self._io is not None
-        if keys is not None:
-            for key in keys:
-                self._index.pop(key, only_seq=seg.seq)
-        else:  # cannot happen for a file we sealed; fall back to a full index sweep
-            for key in list(self._index.keys()):
-                self._index.pop(key, only_seq=seg.seq)
-        del self._segments[seg.seq]
-        seg.dead = True
-        self._used -= seg.size
-        if seg.readers == 0:
-            self._close_fd(seg.fd)
 
     # --- sealing ----------------------------------------------------------------------------
     async def seal(self) -> SealedSegment | None:
