@@ -4,6 +4,8 @@ TARGET is an SSD tier directory (its root or one ``rank-*`` directory). A URL ta
 (``s3://bucket/prefix``, ``file://...``) is handed to the object tier's checker,
 ``dynamo_tiered_kv.tiers.objectstore.fsck:fsck_objects(target, as_json=...) -> int``, when that
 module exists. Exit codes: 0 clean (warnings allowed), 1 corruption found, 2 cannot check.
+For SSD directories only a torn tail of a rank's newest segment is a warning; damage anywhere
+else, including a truncated older segment, is corruption (rules: docs/SSD.md section 4).
 """
 
 from __future__ import annotations
