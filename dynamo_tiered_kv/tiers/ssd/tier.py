@@ -367,7 +367,10 @@ class SSDTier(SegmentSourceMixin, ReadPathMixin, EvictionMixin, Tier):
                 host and device values are mixed.
             TierFull: nothing evictable is left to make room.
             TierUnavailable: the tier is disabled, the device failed (ENOSPC, EROFS, EIO), or
-                device values came without a working GPU-direct path.
+                device values came without a working GPU-direct path. Nothing of the batch is stored.
+            PartialWrite: (a ``TierUnavailable``) the first ``written`` records are durable and
+                indexed, the rest are not. A failed seal after the last record is no error: the
+                records are stored and the seal is retried (next write, idle seal, close).
         """
         batch = [(bytes(k), v if isinstance(v, DeviceSpan) else as_u8(v)) for k, v in items]
         for k, v in batch:
