@@ -32,7 +32,6 @@ are not promoted: the host tier is for blocks that come from the GPU.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
 import time
@@ -50,7 +49,8 @@ from .lifecycle import Background
 from .metrics import StoreMetrics
 from .policy import Admission, AdmissionPolicy, Retention
 from .staging import Slab, StagingPool
-from .tiers.base import ReadRequest, Tier
+from .store_reads import ChunkRead, ChunkReads, slot_view
+from .tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
@@ -79,33 +79,13 @@ class LoadResult:
     tier_per_block: list[str] = field(default_factory=list)  # source tier of each loaded block
 
 
-class _Handoff:
-    """Who releases a load slab: the reader if the caller gave up waiting, else the caller."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.abandoned = False
-        self.done = False
-
-
 def _check_block_ids(layout: EngineLayout, block_ids: Sequence[int]) -> None:
     """The compiled gather/scatter does not bounds-check: refuse bad ids before any copy."""
     if block_ids and (min(block_ids) < 0 or max(block_ids) >= layout.num_blocks):
         raise ValueError(f"block ids must be in [0, {layout.num_blocks}), got {min(block_ids)}..{max(block_ids)}")
 
 
-@dataclass
-class _Read:
-    """One chunk of a load in flight on the loop."""
-
-    start: int
-    end: int
-    slab: Slab | DeviceSlab
-    fut: concurrent.futures.Future
-    hand: _Handoff
-
-
-class TieredStore:
+class TieredStore(ChunkReads):
     """Tiered KV block store with a synchronous, never-blocking engine facade.
 
     Args:
@@ -390,7 +370,7 @@ class TieredStore:
         try:
             by_tier: dict[int, list[tuple[BlockKey, memoryview | DeviceSpan]]] = {}
             for j, key, targets in plan:
-                view = _slot(slab, j * rb, rb)
+                view = slot_view(slab, j * rb, rb)
                 for ti in targets:
                     by_tier.setdefault(ti, []).append((key, view))
             for ti in sorted(by_tier):
@@ -463,7 +443,7 @@ class TieredStore:
         deadline = None if timeout is None else time.monotonic() + timeout
         rb = record_bytes(layout.shape)
         per_chunk = min(self._slab_bytes(layout) // rb, max(1, self.load_chunk_bytes // rb))
-        inflight: deque[_Read] = deque()
+        inflight: deque[ChunkRead] = deque()
         next_i = 0
 
         def remaining() -> float | None:
@@ -502,7 +482,7 @@ class TieredStore:
             self.metrics.load_failed_blocks.inc(len(res.failed_block_ids))
         return res
 
-    def _decode_chunk(self, layout: EngineLayout, rd: _Read, sources: list[int | None],
+    def _decode_chunk(self, layout: EngineLayout, rd: ChunkRead, sources: list[int | None],
                       block_ids: Sequence[int], keys: Sequence[BlockKey], rb: int, res: LoadResult) -> int:
         """Verify+scatter one read chunk; hand its slab on (promotion) or free it. Returns #restored."""
         start, slab = rd.start, rd.slab
@@ -553,102 +533,6 @@ class TieredStore:
             self._release(slab)
         return ok
 
-    def _start_read(self, slab: Slab | DeviceSlab, rb: int, start: int, end: int, keys: Sequence[BlockKey]) -> _Read:
-        hand = _Handoff()
-        fut = asyncio.run_coroutine_threadsafe(self._read_into_slab(slab, rb, keys, hand), self._loop)
-        return _Read(start, end, slab, fut, hand)
-
-    def _finish_read(self, rd: _Read, timeout: float | None) -> list[int | None] | None:
-        """Each block's source tier (None from the first unreadable block on), or None on timeout
-        or error (then the slab is freed: by the reader when the tier returns, or here)."""
-        try:
-            return rd.fut.result(timeout)
-        except TimeoutError:
-            with rd.hand.lock:
-                if not rd.hand.done:
-                    rd.hand.abandoned = True
-                    log.warning("load of %d blocks timed out after %.1fs; recomputing", rd.end - rd.start, timeout)
-                    return None
-            try:
-                return rd.fut.result()  # it finished just now
-            except Exception:
-                log.exception("load read failed")
-                self._release(rd.slab)
-                return None
-        except Exception:
-            log.exception("load read failed")
-            self._release(rd.slab)  # the reader finished (with an error): it never frees the slab
-            return None
-
-    def _abandon(self, rd: _Read) -> None:
-        """Drop a prefetched read nobody will consume; whoever finishes last frees the slab."""
-        with rd.hand.lock:
-            if not rd.hand.done:
-                rd.hand.abandoned = True
-                return
-        self._release(rd.slab)  # the reader is past its I/O and never frees a slab itself
-
-    async def _read_into_slab(self, slab: Slab | DeviceSlab, rb: int, keys: Sequence[BlockKey],
-                              hand: _Handoff) -> list[int | None]:
-        sources: list[int | None] = [None] * len(keys)
-        try:
-            # Runs of consecutive blocks whose fastest tier is the same: one read_many per run.
-            j = 0
-            while j < len(keys):
-                ti = self._fastest(keys[j])
-                if ti is None:
-                    self.metrics.misses.labels("none").inc()
-                    break
-                run_end = j + 1
-                while run_end < len(keys) and self._fastest(keys[run_end]) == ti:
-                    run_end += 1
-                got = await self._read_run(ti, slab, rb, keys, j, run_end)
-                for g in range(got):
-                    sources[j + g] = ti
-                if got < run_end - j:
-                    break
-                j = run_end
-            return sources
-        finally:
-            with hand.lock:
-                hand.done = True
-                abandoned = hand.abandoned
-            if abandoned:
-                self._release(slab)
-
-    def _fastest(self, key: BlockKey) -> int | None:
-        for ti, t in enumerate(self.tiers):
-            if t.contains(key):
-                return ti
-        return None
-
-    async def _read_run(self, ti: int, slab: Slab | DeviceSlab, rb: int, keys: Sequence[BlockKey], start: int,
-                        end: int) -> int:
-        """Read keys[start:end] from tier ``ti`` into slab slots; return how many leading ones arrived."""
-        tier = self.tiers[ti]
-        if isinstance(slab, DeviceSlab) and not self._gpu_direct(ti):
-            self.metrics.misses.labels(tier.name).inc(end - start)
-            return 0  # moved to a tier without GPU-direct (or the path failed) since the chunk started
-        reqs = [ReadRequest(keys[j], _slot(slab, j * rb, rb)) for j in range(start, end)]
-        t0 = time.perf_counter()
-        try:
-            results = await tier.read_many(reqs)
-        except Exception as e:
-            self.metrics.errors.labels(tier.name, "read").inc()
-            self.metrics.misses.labels(tier.name).inc(end - start)
-            log.warning("read of %d blocks from tier %s failed: %s", end - start, tier.name, e)
-            return 0
-        self.metrics.read_seconds.labels(tier.name).observe(time.perf_counter() - t0)
-        got = 0
-        for r in results:
-            if r is None or r < rb:
-                break
-            got += 1
-        self.metrics.read_bytes.labels(tier.name).inc(got * rb)
-        if got < end - start:
-            self.metrics.misses.labels(tier.name).inc(end - start - got)
-        return got
-
     async def _forget(self, ti: int, key: BlockKey) -> None:
         """Delete a record that failed verification so lookups stop offering it."""
         try:
@@ -678,8 +562,3 @@ class TieredStore:
         """Synchronous ``sweep`` for tests and tools."""
         return self._call(self.sweep(now), timeout=60)
 
-
-def _slot(slab: Slab | DeviceSlab, offset: int, nbytes: int) -> memoryview | DeviceSpan:
-    if isinstance(slab, DeviceSlab):
-        return DeviceSpan(slab, offset, nbytes)
-    return memoryview(slab.array[offset:offset + nbytes])

@@ -36,23 +36,32 @@ CHILD = textwrap.dedent("""
     from dynamo_tiered_kv.keys import Namespace, chain_keys, parents_of
     from dynamo_tiered_kv.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 
+    def run(cfg, mode):
+        ns = Namespace("tiny", "bfloat16", "VLLM_CPU", 16, 4, 2, 64)
+        ts = allocate_engine_kv(EngineLayoutKind.VLLM_CPU, num_layers=4, num_blocks=64, block_size=16,
+                                num_kv_heads=2, head_size=64)
+        g = torch.Generator().manual_seed(7)
+        for t in ts:
+            t.copy_(torch.randn(t.shape, generator=g))
+        layout = EngineLayout(EngineLayoutKind.VLLM_CPU, ts, 16, 2, 64)
+        store = build_store(TieredKVConfig.from_mapping(cfg), ns)
+        if mode == "atexit":  # like an engine whose shutdown runs from atexit (in-process vLLM)
+            atexit.register(store.close)
+        keys = chain_keys(ns, np.arange(16 * 48))
+        parents = parents_of(keys)
+        for c in range(0, 48, 16):
+            assert store.submit_offload(layout, list(range(c, c + 16)), keys[c:c + 16], parents[c:c + 16],
+                                        first_index=c)
+        # no close, no drain: the process ends right after its last offload
+
     cfg, mode = json.loads(sys.argv[1]), sys.argv[2]
-    ns = Namespace("tiny", "bfloat16", "VLLM_CPU", 16, 4, 2, 64)
-    ts = allocate_engine_kv(EngineLayoutKind.VLLM_CPU, num_layers=4, num_blocks=64, block_size=16,
-                            num_kv_heads=2, head_size=64)
-    g = torch.Generator().manual_seed(7)
-    for t in ts:
-        t.copy_(torch.randn(t.shape, generator=g))
-    layout = EngineLayout(EngineLayoutKind.VLLM_CPU, ts, 16, 2, 64)
-    store = build_store(TieredKVConfig.from_mapping(cfg), ns)
-    if mode == "atexit":  # like an engine whose shutdown runs from atexit (in-process vLLM)
-        atexit.register(store.close)
-    keys = chain_keys(ns, np.arange(16 * 48))
-    parents = parents_of(keys)
-    for c in range(0, 48, 16):
-        assert store.submit_offload(layout, list(range(c, c + 16)), keys[c:c + 16], parents[c:c + 16],
-                                    first_index=c)
-    # no close, no drain: the process ends right after its last offload
+    if mode == "worker_process":  # a multiprocessing child (vLLM's engine-core and worker processes)
+        import multiprocessing
+        p = multiprocessing.get_context("fork").Process(target=run, args=(cfg, mode))
+        p.start()
+        p.join()
+        sys.exit(p.exitcode)
+    run(cfg, mode)
 """)
 
 
@@ -109,7 +118,7 @@ def _check_everything_kept(tmp_path: Path, proc: subprocess.CompletedProcess) ->
         store.close()
 
 
-@pytest.mark.parametrize("mode", ["no_close", "atexit"])
+@pytest.mark.parametrize("mode", ["no_close", "atexit", "worker_process"])
 def test_exit_without_close_keeps_every_accepted_offload(tmp_path: Path, mode: str) -> None:
     proc, seconds = _run_child(tmp_path, mode)
     _check_everything_kept(tmp_path, proc)
