@@ -16,6 +16,9 @@ threads only use the synchronous facade:
   caller's thread means a timed-out load can never write into engine blocks later; an abandoned
   read releases its slab itself when the tier returns.
 
+A store that is never closed is closed at process exit by ``lifecycle`` (before Python stops its
+thread pools), within ``exit_timeout_s``; ``close`` and ``close_by`` are idempotent and thread-safe.
+
 Writes go to the first ``write_depth`` tiers (host, SSD); slower tiers (objects) are fed by
 background tasks such as the segment flusher. The host tier admits every block; lower written
 tiers follow the admission policy. Loaded blocks are promoted into faster tiers off the caller's
