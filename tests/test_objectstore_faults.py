@@ -107,8 +107,39 @@ async def test_corrupted_bytes_in_flight_are_never_served(server: S3Server, prox
     assert got == [v for _, v in recs]
     assert tier.stats.reread_ok == 1 and tier.stats.corrupt_reads == 0
     proxy.corrupt_offset = 6000  # now every read of record 0 is damaged: a miss, never served
+    proxy.sever()  # the offset applies to new connections
     got = await _read_all(tier, recs[:1])
     assert got == [None] and tier.stats.corrupt_reads == 1 and not tier.contains(recs[0][0])
+    await tier.close()
+
+
+@pytest.mark.parametrize("mode", ["reset_body", "stall_body"])
+async def test_connection_cut_mid_body_misses_within_the_retry_budget(server: S3Server, proxy: FaultProxy,
+                                                                     mode: str) -> None:
+    """A ranged GET whose connection is cut in the middle of the body (the RST arrives, or never
+    does) fails over in seconds with the default policy, not after read_timeout_s (30 s)."""
+    bucket = unique_bucket("midbody")
+    backend = S3Backend(bucket, "m/", **{**server.backend_kwargs(), "endpoint_url": proxy.endpoint})
+    tier = ObjectTier(backend)  # defaults: RetryPolicy(), read_timeout_s=30
+    await tier.open()
+    recs = _recs(4, layers=16)  # ~70 KiB records: one ~280 KiB GET
+    await tier.write_many((k, memoryview(v)) for k, v in recs)
+    proxy.body_after = 20_000
+    proxy.set_mode(mode)
+    proxy.sever()
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    try:
+        got: list[bytes | None] = await _read_all(tier, recs)
+    except TierUnavailable:
+        got = [None] * len(recs)
+    took = loop.time() - t0
+    assert got == [None] * len(recs)  # a miss, never partial bytes
+    assert took < 12.0, f"{mode}: the load took {took:.1f} s to miss (read_timeout_s is {tier.read_timeout_s})"
+    assert proxy.faults >= 1
+    proxy.set_mode("pass")
+    proxy.sever()
+    assert await _read_all(tier, recs) == [v for _, v in recs]  # and the next load is served
     await tier.close()
 
 

@@ -16,6 +16,10 @@ Modes (applied per new connection; ``count`` limits how many connections get the
 ``stall``     accept and read, never answer (tests timeouts)
 ``truncate``  forward, but cut the connection after ``truncate_after`` bytes from the server
 ``corrupt``   forward, flipping the byte at ``corrupt_offset`` of each response body that long
+``reset_body`` forward the response headers and ``body_after`` body bytes, then RST the client
+              (a connection reset in the middle of a GET body)
+``stall_body`` the same, but then stop forwarding and keep the connection open: a reset that
+              never reaches the client (lost RST, a middlebox that dropped the flow)
 
 ``sever()`` closes every open connection (a server dying mid-transfer).
 """
@@ -29,7 +33,7 @@ import struct
 
 _SLOWDOWN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown</Code>"
              b"<Message>Please reduce your request rate.</Message></Error>")
-MODES = ("pass", "delay", "drop", "reset", "http503", "stall", "truncate", "corrupt")
+MODES = ("pass", "delay", "drop", "reset", "http503", "stall", "truncate", "corrupt", "reset_body", "stall_body")
 
 
 class FaultProxy:
@@ -41,6 +45,7 @@ class FaultProxy:
         self.delay_s = 0.5
         self.truncate_after = 64 * 1024
         self.corrupt_offset = 5000
+        self.body_after = 16 * 1024
         self.connections = 0
         self.faults = 0
         self._server: asyncio.AbstractServer | None = None
@@ -132,11 +137,27 @@ class FaultProxy:
     async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, mode: str) -> None:
         sent = 0
         corrupter = _BodyCorrupter(self.corrupt_offset) if mode == "corrupt" else None
+        head = b""
+        body_start = -1  # offset of the first body byte in the stream, once the headers are seen
         try:
             while True:
                 chunk = await src.read(65536)
                 if not chunk:
                     break
+                if mode in ("reset_body", "stall_body"):
+                    if body_start < 0:
+                        head += chunk
+                        end = head.find(b"\r\n\r\n")
+                        if end >= 0:
+                            body_start = end + 4
+                    if body_start >= 0 and sent + len(chunk) > body_start + self.body_after:
+                        dst.write(chunk[: body_start + self.body_after - sent])
+                        await dst.drain()
+                        if mode == "reset_body":
+                            _rst(dst)
+                            return
+                        await dst.wait_closed()  # silent until the client gives up (or sever())
+                        return
                 if mode == "delay":
                     await asyncio.sleep(self.delay_s)
                 if mode == "truncate" and sent + len(chunk) > self.truncate_after:

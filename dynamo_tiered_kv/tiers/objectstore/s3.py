@@ -6,7 +6,10 @@
   ``If-None-Match: *`` (AWS, RGW and moto answer 412 when the object exists; a server that
   ignores the header on multipart completes is covered by a HEAD first, and by content-addressed
   names, so a lost race only costs a duplicate upload of identical bytes).
-* Reads: one ranged GET per call, streamed straight into the caller's buffers.
+* Reads: one ranged GET per call, streamed straight into the caller's buffers. Once the body
+  flows, a gap longer than ``body_idle_timeout_s`` fails the attempt (and it is retried): a
+  connection cut mid-body whose reset never reaches us would otherwise hold the read for the
+  whole socket timeout, past the tier's read budget, instead of failing over in seconds.
 * Payloads are signed with a plain Content-Length and checksums are only sent when an operation
   requires them (``request_checksum_calculation="when_required"``): Ceph RGW answers the
   aws-chunked uploads newer SDKs send by default with HTTP 411.
@@ -46,6 +49,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PART_BYTES = 8 << 20
 MIN_PART_BYTES = 5 << 20  # S3 minimum for every part but the last
 _READ_CHUNK = 1 << 20
+DEFAULT_BODY_IDLE_TIMEOUT_S = 2.0
 _TRANSIENT_CODES = {"SlowDown", "RequestTimeout", "RequestTimeTooSkewed", "InternalError",
                     "ServiceUnavailable", "Throttling", "ThrottlingException", "RequestLimitExceeded",
                     "TooManyRequests", "BadDigest", "IncompleteBody"}
@@ -94,6 +98,8 @@ class S3Backend(ObjectBackend):
         part_bytes: multipart part size (>= 5 MiB); sources up to this size are one PUT.
         max_concurrency: parts in flight per upload, and the HTTP connection pool size.
         connect_timeout_s, read_timeout_s: socket timeouts handed to botocore.
+        body_idle_timeout_s: longest silence between chunks of a GET body before the attempt is
+            abandoned and retried on a fresh connection.
         retry: retry policy (attempts, backoff, per-attempt timeout).
         breaker_threshold, breaker_cooldown_s: circuit breaker settings.
         create_bucket: create the bucket at ``open()`` if it does not exist (tests, benches).
@@ -106,7 +112,8 @@ class S3Backend(ObjectBackend):
                  part_bytes: int = DEFAULT_PART_BYTES, max_concurrency: int = 8,
                  connect_timeout_s: float = 5.0, read_timeout_s: float = 30.0,
                  retry: RetryPolicy | None = None, breaker_threshold: int = 5,
-                 breaker_cooldown_s: float = 5.0, create_bucket: bool = False) -> None:
+                 breaker_cooldown_s: float = 5.0, create_bucket: bool = False,
+                 body_idle_timeout_s: float = DEFAULT_BODY_IDLE_TIMEOUT_S) -> None:
         super().__init__()
         if not bucket:
             raise ConfigError("S3Backend.bucket must be set")
@@ -114,6 +121,8 @@ class S3Backend(ObjectBackend):
             raise ConfigError(f"S3Backend.part_bytes must be >= {MIN_PART_BYTES}, got {part_bytes}")
         if max_concurrency < 1:
             raise ConfigError("S3Backend.max_concurrency must be >= 1")
+        if body_idle_timeout_s <= 0:
+            raise ConfigError("S3Backend.body_idle_timeout_s must be positive")
         if addressing_style not in ("path", "virtual", "auto"):
             raise ConfigError(f"S3Backend.addressing_style must be path|virtual|auto, got {addressing_style!r}")
         if (access_key is None) != (secret_key is None):
@@ -132,6 +141,7 @@ class S3Backend(ObjectBackend):
         self.max_concurrency = max_concurrency
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
+        self.body_idle_timeout_s = body_idle_timeout_s
         self.retry = retry or RetryPolicy()
         self.breaker = CircuitBreaker(breaker_threshold, breaker_cooldown_s)
         self.create_bucket = create_bucket
@@ -347,7 +357,12 @@ class S3Backend(ObjectBackend):
                     return None  # object shorter than the range
                 out = Scatter(dests)
                 while out.written < total:
-                    chunk = await body.read(min(_READ_CHUNK, total - out.written))
+                    try:  # read() returns what has arrived, so this bounds silence, not throughput
+                        chunk = await with_timeout(body.read(min(_READ_CHUNK, total - out.written)),
+                                                   self.body_idle_timeout_s)
+                    except (asyncio.TimeoutError, TimeoutError):
+                        raise _ShortBody(f"body stalled at {out.written} of {total} bytes for "
+                                         f"{self.body_idle_timeout_s}s") from None
                     if not chunk:
                         raise _ShortBody(f"body ended at {out.written} of {total} bytes")
                     out.write(chunk)
