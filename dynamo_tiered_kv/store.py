@@ -543,6 +543,25 @@ class TieredStore(ChunkReads):
         except Exception as e:
             log.warning("could not delete corrupt block %s from tier %s: %s", key.hex(), self.tiers[ti].name, e)
 
+    def drop_local(self) -> None:
+        """Forget every block of this node's own tiers (host, SSD) in the background.
+
+        For a weight update: the caller has already moved to keys that can never equal the old
+        ones, so this frees capacity rather than guarding correctness. Shared tiers keep their
+        objects (other nodes may still serve the old weights); TTL and GC expire them.
+        """
+        for ti, tier in enumerate(self.tiers):
+            if not tier.capabilities.shared:
+                self._schedule(self._drop_tier(ti))
+
+    async def _drop_tier(self, ti: int) -> None:
+        tier = self.tiers[ti]
+        try:
+            n = await tier.delete_many(list(tier.keys()))
+            log.info("dropped %d blocks from tier %s (cache reset)", n, tier.name)
+        except Exception as e:
+            log.warning("dropping tier %s after a cache reset failed: %s", tier.name, e)
+
     # --- retention -----------------------------------------------------------------------------
     async def _sweep_forever(self) -> None:
         while True:

@@ -101,6 +101,13 @@ class Tier(abc.ABC):
     async def delete(self, key: BlockKey) -> bool:
         """Remove ``key``; return whether it was present."""
 
+    async def delete_many(self, keys: Iterable[BlockKey]) -> int:
+        """Batched ``delete``; return how many were present. Backends override to batch the I/O."""
+        n = 0
+        for key in keys:
+            n += bool(await self.delete(key))
+        return n
+
     async def read_many(self, requests: Sequence[ReadRequest]) -> list[int | None]:
         """Batched ``read_into``; backends override to coalesce contiguous runs into one I/O."""
         return [await self.read_into(r.key, r.into, r.byte_range) for r in requests]

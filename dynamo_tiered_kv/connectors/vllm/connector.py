@@ -126,6 +126,11 @@ class TieredKVConnector(KVConnectorBase_V1):
     def take_events(self) -> Any:
         return self._scheduler.take_events() if self._scheduler is not None else []
 
+    def reset_cache(self) -> bool | None:
+        if self._scheduler is None:
+            return None
+        return self._scheduler.reset_cache()
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is None:
             return False, None

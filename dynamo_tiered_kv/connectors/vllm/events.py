@@ -50,9 +50,9 @@ class TieredKVEvents(KVConnectorKVEvents):
 
 
 def block_stored(token_hashes: Sequence[bytes], parent: bytes | None, token_ids: Sequence[int],
-                 block_size: int) -> BlockStored:
-    """One event for a run of consecutive stored blocks."""
+                 block_size: int, *, lora_id: int | None = None, lora_name: str | None = None) -> BlockStored:
+    """One event for a run of consecutive stored blocks (of one LoRA adapter, or the base model)."""
     return BlockStored(block_hashes=[external_hash(h) for h in token_hashes],
                        parent_block_hash=external_hash(parent) if parent else None,
-                       token_ids=list(token_ids), block_size=block_size, lora_id=None, medium=MEDIUM,
-                       lora_name=None)
+                       token_ids=list(token_ids), block_size=block_size, lora_id=lora_id, medium=MEDIUM,
+                       lora_name=lora_name)

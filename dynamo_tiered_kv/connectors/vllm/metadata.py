@@ -40,9 +40,13 @@ class SaveSpec:
     token_hashes: list[bytes]
     first_index: int
     token_ids: list[int] | None = None  # the blocks' tokens, only when KV events are enabled
+    lora_id: int | None = None  # the request's LoRA adapter, named in its KV events
+    lora_name: str | None = None
 
 
 @dataclass
 class TieredKVMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    #: the scheduler's cache was reset (weights changed): workers drop their host and SSD blocks
+    reset_cache: bool = False

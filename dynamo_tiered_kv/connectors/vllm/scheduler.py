@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,7 @@ class SchedulerRole:
         self.kv_events = kv_events
         self._events = None  # TieredKVEvents merged from the workers' outputs
         self._outcomes = LoadOutcomes()
+        self._reset_pending = False
 
     def _state(self, request: Any) -> _Req:
         st = self._reqs.get(request.request_id)
@@ -124,7 +126,8 @@ class SchedulerRole:
         st.saved = max(st.saved, local_blocks + ext_blocks)
 
     def build_connector_meta(self, scheduler_output: Any) -> TieredKVMetadata:
-        meta = TieredKVMetadata()
+        meta = TieredKVMetadata(reset_cache=self._reset_pending)
+        self._reset_pending = False
         loading: list[int] = []  # engine blocks restored in this step
         for st in self._reqs.values():
             if st.pending_load is not None:
@@ -165,9 +168,14 @@ class SchedulerRole:
                 continue
             start = st.saved
             hashes = st.hashes_upto(full)
-            tokens = list(st.request.all_token_ids[start * bs:full * bs]) if self.kv_events else None
-            meta.saves.append(SaveSpec(req_id, st.block_ids[start:full], hashes[max(0, start - 1):full], start,
-                                       tokens))
+            spec = SaveSpec(req_id, st.block_ids[start:full], hashes[max(0, start - 1):full], start)
+            if self.kv_events:
+                spec.token_ids = list(st.request.all_token_ids[start * bs:full * bs])
+                lora = getattr(st.request, "lora_request", None)
+                if lora is not None:
+                    spec.lora_id = getattr(lora, "lora_int_id", None)
+                    spec.lora_name = getattr(lora, "lora_name", None)
+            meta.saves.append(spec)
             st.saved = full
         return meta
 
@@ -218,6 +226,21 @@ class SchedulerRole:
         self._reqs.pop(request.request_id, None)
         self._outcomes.forget(request.request_id)
         return False, None
+
+    def reset_cache(self) -> bool:
+        """The weights changed (``reset_prefix_cache(reset_connector=True)``): never serve old KV.
+
+        A new random epoch enters every later key, so nothing stored before can match again, on
+        this node or any other. Requests alive across the reset neither load nor save any more
+        (their KV may mix old and new weights). The next step tells the workers to drop their
+        host and SSD blocks; the shared object tier's old keys expire by TTL and GC.
+        """
+        self._epoch = secrets.token_hex(16)
+        for st in self._reqs.values():
+            st.ns = None  # (no load is pending: vLLM resets between steps, loads are built in-step)
+        self._reset_pending = True
+        log.info("TieredKVConnector: cache reset; stored KV of the previous weights is no longer used")
+        return True
 
     def shutdown(self) -> None:
         self._lookup.close()

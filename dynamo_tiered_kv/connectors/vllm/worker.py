@@ -93,6 +93,8 @@ class WorkerRole:
     def start_load_kv(self, meta: TieredKVMetadata) -> None:
         """Run this step's loads, all within one ``load_timeout_s`` (the whole batch waits on them)."""
         self._failed_this_step = set()
+        if meta.reset_cache and self.store is not None:
+            self.store.drop_local()  # the weights changed: this node's blocks can never be used again
         if self.store is None or self.layout is None:
             for spec in meta.loads:
                 self._failed_this_step.update(spec.block_ids)
@@ -148,7 +150,8 @@ class WorkerRole:
         own = spec.token_hashes[1:] if spec.first_index > 0 else spec.token_hashes
         parent = spec.token_hashes[0] if spec.first_index > 0 else None
         tokens = spec.token_ids[:n * self.block_size]
-        self._events.append(block_stored(own[:n], parent, tokens, self.block_size))
+        self._events.append(block_stored(own[:n], parent, tokens, self.block_size, lora_id=spec.lora_id,
+                                         lora_name=spec.lora_name))
 
     def take_kv_events(self) -> Any:
         """Events for blocks accepted since the last call, as vLLM's ``KVConnectorKVEvents``."""

@@ -592,12 +592,23 @@ class SSDTier(SegmentSourceMixin, ReadPathMixin, EvictionMixin, Tier):
         return await asyncio.get_running_loop().run_in_executor(self._writer, self._delete_sync, bytes(key))
 
     def _delete_sync(self, key: bytes) -> bool:
+        return self._delete_many_sync([bytes(key)]) == 1
+
+    async def delete_many(self, keys: Iterable[BlockKey]) -> int:
+        batch = [bytes(k) for k in keys]
+        return await asyncio.get_running_loop().run_in_executor(self._writer, self._delete_many_sync, batch)
+
+    def _delete_many_sync(self, keys: list[bytes]) -> int:
+        """One tombstone append (one fdatasync) for the whole batch."""
+        locs = []
         with self._lock:
-            loc = self._index.pop(key)
-        if loc is None:
-            return False
-        self._append_tombstones([(loc[0], loc[1], key)])
-        return True
+            for key in keys:
+                loc = self._index.pop(key)
+                if loc is not None:
+                    locs.append((loc[0], loc[1], key))
+        if locs:
+            self._append_tombstones(locs)
+        return len(locs)
 
     def _append_tombstones(self, locs: list[tuple[int, int, bytes]]) -> None:
         if self._tomb_fd is None:
