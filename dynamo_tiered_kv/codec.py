@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -403,14 +403,49 @@ def decode_blocks(
         np.asarray(block_ids, dtype=np.int64),
         status,
     )
-    errors: list[RecordError | None] = [None] * n
+    return _errors(status, lambda i: a[i * rb : (i + 1) * rb], layout, namespace, keys)
+
+
+def decode_records(
+    records: Sequence[np.ndarray], layout: EngineLayout, block_ids: Sequence[int], *, namespace: bytes,
+    keys: Sequence[bytes]
+) -> list[RecordError | None]:
+    """``decode_blocks`` over records that are not back to back (each a contiguous uint8 array of at
+    least ``record_bytes``): verified and scattered where they lie, e.g. in the host tier's arena,
+    with no copy into a staging slab first. Same result and partial-copy rules."""
+    n = len(block_ids)
+    if len(keys) != n or len(records) != n:
+        raise ValueError("records, block_ids and keys must have the same length")
+    if len(namespace) != KEY_BYTES or any(len(k) != KEY_BYTES for k in keys):
+        raise ValueError("namespace digest and keys must each be 16 bytes")
+    rb = record_bytes(layout.shape)
+    recs = [_as_u8(r) for r in records]
+    if any(r.nbytes < rb or not r.flags.c_contiguous for r in recs):
+        raise ValueError(f"every record must be a contiguous buffer of at least {rb} bytes")
+    _check_block_ids(layout, block_ids)
+    table = layout.fast_table()
+    if table is None:
+        return [decode_blocks(r, layout, [b], namespace=namespace, keys=[k])[0]
+                for r, b, k in zip(recs, block_ids, keys)]
+    prefix, desc = _descriptor(layout.shape, layout.kind)
+    status = np.full(n, fast.OK, np.int64)
+    ptrs = np.array([r.ctypes.data for r in recs], dtype=np.uint64)
+    fast.decode_ptrs(table, ptrs, header_bytes(layout.shape.num_layers), prefix, desc, namespace, b"".join(keys),
+                     np.asarray(block_ids, dtype=np.int64), status)
+    return _errors(status, recs.__getitem__, layout, namespace, keys)
+
+
+def _errors(status: np.ndarray, rec: Callable[[int], np.ndarray], layout: EngineLayout, namespace: bytes,
+            keys: Sequence[bytes]) -> list[RecordError | None]:
+    """The compiled decoder's status codes as errors (None = restored)."""
+    errors: list[RecordError | None] = [None] * len(status)
     for i in np.flatnonzero(status != fast.OK):
         code = int(status[i])
         if code >= 0:
             errors[i] = ChecksumMismatch(f"layer {code} payload checksum mismatch (key {keys[i].hex()})")
             continue
         try:  # the slow path names the exact problem
-            verify_record(a[i * rb : (i + 1) * rb], namespace=namespace, key=keys[i], shape=layout.shape)
+            verify_record(rec(i), namespace=namespace, key=keys[i], shape=layout.shape)
             errors[i] = HeaderCorrupt(f"record {i} rejected by the compiled verifier (code {code})")
         except RecordError as e:
             errors[i] = e

@@ -46,6 +46,8 @@ try:
         _p,
     ]
     _lib.dtkv_decode_batch.restype = None
+    _lib.dtkv_decode_ptrs.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _p, _p, _p, _p, _p, _i64, _p]
+    _lib.dtkv_decode_ptrs.restype = None
     AVAILABLE = True
 except (ImportError, OSError, AttributeError) as e:  # no compiler at install time, or odd xxhash build
     log.debug("compiled codec helpers unavailable (%s); using the Python path", e)
@@ -120,6 +122,33 @@ def decode_batch(
         *t.geom,
         records.ctypes.data,
         record_bytes,
+        header_bytes,
+        expect_prefix,
+        expect_desc,
+        namespace,
+        keys,
+        block_ids.ctypes.data,
+        len(block_ids),
+        status.ctypes.data,
+    )
+
+
+def decode_ptrs(
+    t: LayerTable,
+    ptrs: np.ndarray,
+    header_bytes: int,
+    expect_prefix: bytes,
+    expect_desc: bytes,
+    namespace: bytes,
+    keys: bytes,
+    block_ids: np.ndarray,
+    status: np.ndarray,
+) -> None:
+    """``decode_batch`` over records at the addresses ``ptrs`` (uint64), e.g. read in place."""
+    _lib.dtkv_decode_ptrs(
+        XXH3,
+        *t.geom,
+        ptrs.ctypes.data,
         header_bytes,
         expect_prefix,
         expect_desc,
