@@ -20,6 +20,10 @@ Names (all prefixed ``dtkv_``; ``tier`` is the tier's ``name``):
     offload_blocks_total             blocks accepted for offload
     offload_dropped_total{reason}    offload batches dropped (queue_full, no_staging, too_large, closed)
     load_failed_blocks_total         blocks reported to the engine as failed loads
+    restore_stage_seconds{stage,tier}  per load: stage "read" (tier = the tier; its read wall time),
+                                     "wait" (caller blocked on reads), "decode" (verify+scatter),
+                                     "total" (the load call); tier "all" for the caller's stages
+    restore_bytes_total{tier}        record bytes restores read from each tier
     observability_failures_total{what}  observability set-up that failed while the store kept serving
                                      (port: /metrics port unavailable; collector: not registered)
 """
@@ -30,12 +34,16 @@ import errno
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .tiers.base import Tier
+
+if TYPE_CHECKING:
+    from .store_reads import LoadStages
 
 log = logging.getLogger(__name__)
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -90,14 +98,30 @@ class StoreMetrics:
         self.observability_failures = Counter("dtkv_observability_failures",
                                               "observability set-up failures the store served through", ["what"],
                                               registry=r)
+        self.restore_stage_seconds = Histogram("dtkv_restore_stage_seconds", "time per load stage (read per tier, "
+                                               "wait, decode, total)", ["stage", "tier"],
+                                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.restore_bytes = Counter("dtkv_restore_bytes", "record bytes restores read, by tier", ["tier"],
+                                     registry=r)
         self._tiers = list(tiers)
         usage = _UsageCollector(lambda: self._tiers)
         r.register(usage)
         self._own = [self.hits, self.misses, self.read_bytes, self.written_bytes, self.read_seconds,
                      self.write_seconds, self.errors, self.checksum_failures, self.lookup_blocks,
                      self.offload_blocks, self.offload_dropped, self.load_failed_blocks, self.observability_failures,
-                     usage]
+                     self.restore_stage_seconds, self.restore_bytes, usage]
         self._server = None
+
+    def observe_restore(self, st: LoadStages) -> None:
+        """Record one load's stage timings (``TieredStore.load``)."""
+        h = self.restore_stage_seconds
+        for tier, sec in st.read_s.items():
+            h.labels("read", tier).observe(sec)
+        for tier, n in st.read_bytes.items():
+            self.restore_bytes.labels(tier).inc(n)
+        h.labels("wait", "all").observe(st.wait_s)
+        h.labels("decode", "all").observe(st.decode_s)
+        h.labels("total", "all").observe(st.total_s)
 
     def value(self, name: str, **labels: str) -> float:
         """Current value of a sample (0.0 if never set). ``name`` without the ``dtkv_`` prefix."""

@@ -11,10 +11,12 @@ threads only use the synchronous facade:
   encodes the blocks into it (memcpy speed; the engine may overwrite its blocks as soon as we
   return, so the copy cannot be deferred), and hands the slab to the loop. A full queue or an
   empty staging pool drops the batch and counts it (architecture rule 1).
-* ``load`` is called when the engine must wait anyway: the loop reads records into a slab, then
-  the *calling* thread verifies each record and scatters it into the engine. Scattering on the
-  caller's thread means a timed-out load can never write into engine blocks later; an abandoned
-  read releases its slab itself when the tier returns.
+* ``load`` is called when the engine must wait anyway (or from a background loader thread): the
+  loop reads records into slabs, several chunks ahead, and the *calling* thread verifies each
+  record and scatters it into the engine (host-tier records straight from the arena). Scattering
+  on the caller's thread means a timed-out load can never write into engine blocks later; an
+  abandoned read releases its slab itself when the tier returns. ``LoadResult.stages`` says where
+  the time went (``dtkv_restore_stage_seconds``).
 
 A store that is never closed is closed at process exit by ``lifecycle`` (before Python stops its
 thread pools), within ``exit_timeout_s``; ``close`` and ``close_by`` are idempotent and thread-safe.
@@ -38,12 +40,11 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from . import lifecycle
-from .codec import decode_blocks, encode_blocks, record_bytes
+from .codec import encode_blocks, record_bytes
 from .device_staging import DeviceSlab, DeviceSpan, DeviceStagingPool
 from .errors import TierFull, TierUnavailable
 from .keys import BlockKey, Namespace
@@ -52,13 +53,13 @@ from .lifecycle import Background
 from .metrics import StoreMetrics
 from .policy import Admission, AdmissionPolicy, Retention
 from .staging import Slab, StagingPool
-from .store_reads import ChunkRead, ChunkReads, slot_view
+from .store_reads import ChunkReads, LoadStages, slot_view
 from .tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
 
-__all__ = ["Background", "LoadResult", "LookupResult", "TieredStore"]
+__all__ = ["Background", "LoadResult", "LoadStages", "LookupResult", "TieredStore"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class LoadResult:
     loaded_block_ids: list[int] = field(default_factory=list)
     failed_block_ids: list[int] = field(default_factory=list)
     tier_per_block: list[str] = field(default_factory=list)  # source tier of each loaded block
+    stages: LoadStages = field(default_factory=LoadStages)  # where the time went (store_reads.LoadStages)
 
 
 def _check_block_ids(layout: EngineLayout, block_ids: Sequence[int]) -> None:
@@ -106,6 +108,8 @@ class TieredStore(ChunkReads):
         close_flush_timeout_s: how long ``close`` lets write-back (SSD -> objects) finish.
         exit_timeout_s: bound on closing at process exit when nobody called ``close`` (``lifecycle``).
         load_chunk_bytes: a load reads and verifies in chunks of about this size, overlapped.
+        load_first_chunk_bytes: size of a load's first chunk (small: verify+scatter starts early).
+        load_depth: chunks of one load read ahead at most (each takes a staging slab while free).
         device_staging: device slabs for GPU-direct transfers to tiers that have ``device_io``.
     """
 
@@ -115,7 +119,8 @@ class TieredStore(ChunkReads):
                  ttl_s: Sequence[float | None] | None = None, background: Sequence[Background] = (),
                  metrics_port: int | None = None, sweep_interval_s: float = 5.0,
                  close_flush_timeout_s: float = 30.0, load_chunk_bytes: int = 8 << 20,
-                 device_staging: DeviceStagingPool | None = None, exit_timeout_s: float = 10.0) -> None:
+                 device_staging: DeviceStagingPool | None = None, exit_timeout_s: float = 10.0,
+                 load_first_chunk_bytes: int = 1 << 20, load_depth: int = 4) -> None:
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")
         self.tiers = list(tiers)
@@ -140,6 +145,8 @@ class TieredStore(ChunkReads):
         self._sweep_interval_s = sweep_interval_s
         self._close_flush_timeout_s = close_flush_timeout_s
         self.load_chunk_bytes = load_chunk_bytes
+        self.load_first_chunk_bytes = load_first_chunk_bytes
+        self.load_depth = max(1, load_depth)
         self._background = list(background)
         self._bg_tasks: list[asyncio.Task] = []
         self._tasks: set[asyncio.Task] = set()
@@ -431,110 +438,29 @@ class TieredStore(ChunkReads):
              timeout: float | None = 30.0) -> LoadResult:
         """Restore ``keys`` into engine blocks ``block_ids``, verifying every record.
 
-        Returns which blocks were restored and which the engine must recompute. Never raises for
-        a tier fault, a missing or corrupt record, or a timeout: those blocks (and every block
-        after the first of them) are reported failed.
+        Returns which blocks were restored and which the engine must recompute, and where the time
+        went (``LoadResult.stages``). Never raises for a tier fault, a missing or corrupt record,
+        or a timeout: those blocks (and every block after the first of them) are reported failed.
+        Once it returns, nothing writes into engine memory or a slab for this call any more.
 
-        The request is cut into chunks of about ``load_chunk_bytes``; the loop reads chunk k+1
-        into a second slab while this thread verifies and scatters chunk k (double buffering).
+        Any thread but the store's own may call it (the engine's, or a background loader); the
+        verify+scatter runs on the calling thread. Reads are pipelined (``store_reads``).
         """
         if len(block_ids) != len(keys):
             raise ValueError("block_ids and keys must have the same length")
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("TieredStore.load must not be called on the store's own loop thread")
         _check_block_ids(layout, block_ids)
+        t0 = time.perf_counter()
         res = LoadResult()
-        n = len(block_ids)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        rb = record_bytes(layout.shape)
-        per_chunk = min(self._slab_bytes(layout) // rb, max(1, self.load_chunk_bytes // rb))
-        inflight: deque[ChunkRead] = deque()
-        next_i = 0
-
-        def remaining() -> float | None:
-            return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-        def start(wait: float | None) -> bool:
-            nonlocal next_i
-            end = min(n, next_i + per_chunk)
-            # GPU-direct only when every block of the chunk is in a GPU-direct tier (else host staging)
-            sources = {self._fastest(k) for k in keys[next_i:end]} if self._device_fits(layout) else set()
-            slab = self._acquire(layout, set() if None in sources else sources, wait)  # type: ignore[arg-type]
-            if slab is None:
-                return False
-            inflight.append(self._start_read(slab, rb, next_i, end, keys[next_i:end]))
-            next_i = end
-            return True
-
-        try:
-            while per_chunk > 0 and not self._closed:
-                if not inflight and (next_i >= n or not start(remaining())):
-                    break
-                if next_i < n and len(inflight) < 2:
-                    start(0)  # prefetch only if a slab is free right now
-                rd = inflight.popleft()
-                sources = self._finish_read(rd, remaining())
-                if sources is None:  # timed out; the reader frees the slab
-                    break
-                ok = self._decode_chunk(layout, rd, sources, block_ids, keys, rb, res)
-                if ok < rd.end - rd.start:
-                    break
-        finally:
-            while inflight:  # a failure stopped us: later chunks are not needed
-                self._abandon(inflight.popleft())
+        self._load_pipelined(layout, block_ids, keys, timeout, res.loaded_block_ids, res.tier_per_block, res.stages)
         res.failed_block_ids = list(block_ids[len(res.loaded_block_ids):])
         if res.failed_block_ids:
             self.metrics.load_failed_blocks.inc(len(res.failed_block_ids))
+        res.stages.total_s = time.perf_counter() - t0
+        if block_ids:
+            self.metrics.observe_restore(res.stages)
         return res
-
-    def _decode_chunk(self, layout: EngineLayout, rd: ChunkRead, sources: list[int | None],
-                      block_ids: Sequence[int], keys: Sequence[BlockKey], rb: int, res: LoadResult) -> int:
-        """Verify+scatter one read chunk; hand its slab on (promotion) or free it. Returns #restored."""
-        start, slab = rd.start, rd.slab
-        promote: list[tuple[int, BlockKey, list[int]]] = []
-        ok = 0
-        n_read = next((j for j, src in enumerate(sources) if src is None), len(sources))
-        # One batched verify+scatter of everything read; blocks after a failure are reported
-        # failed below whatever their own status (the engine recomputes from the first one).
-        ids, ks = block_ids[start:start + n_read], keys[start:start + n_read]
-        try:
-            if not n_read:
-                errors = []
-            elif isinstance(slab, DeviceSlab):
-                from .device_codec import decode_blocks_on_device
-
-                errors = decode_blocks_on_device(slab.tensor[:n_read * rb], layout, ids, namespace=self._ns_digest,
-                                                 keys=ks)
-            else:
-                errors = decode_blocks(slab.array[:n_read * rb], layout, ids, namespace=self._ns_digest, keys=ks)
-        except Exception:  # not a bad record but a broken decode (e.g. CUDA OOM): fail the rest, keep serving
-            log.exception("decoding a load chunk failed; its blocks will be recomputed")
-            self._release(slab)
-            return 0
-        for j in range(n_read):
-            src = sources[j]
-            assert src is not None
-            b, k = block_ids[start + j], keys[start + j]
-            e = errors[j]
-            if e is not None:
-                tier = self.tiers[src]
-                log.warning("block %s from tier %s failed verification (%s); recomputing", k.hex(), tier.name, e)
-                self.metrics.checksum_failures.labels(tier.name).inc()
-                self.metrics.misses.labels(tier.name).inc()
-                self._schedule(self._forget(src, k))
-                break
-            self.metrics.hits.labels(self.tiers[src].name).inc()
-            res.loaded_block_ids.append(b)
-            res.tier_per_block.append(self.tiers[src].name)
-            ok += 1
-            seen = self.admission.sight(k)
-            targets = [ti for ti in range(self.write_depth)
-                       if ti != src and not self.tiers[ti].contains(k) and self._admits(ti, seen)]
-            if targets and not isinstance(slab, DeviceSlab):
-                promote.append((j, k, targets))
-        if promote:
-            self._schedule(self._write_slab(slab, rb, promote))
-        else:
-            self._release(slab)
-        return ok
 
     async def _forget(self, ti: int, key: BlockKey) -> None:
         """Delete a record that failed verification so lookups stop offering it."""

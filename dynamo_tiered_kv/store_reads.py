@@ -1,9 +1,16 @@
-"""The loop side of ``TieredStore.load``: read a chunk of records into a slab, one ``read_many``
-per run of blocks whose fastest tier is the same, and decide who frees the slab.
+"""The restore pipeline of ``TieredStore.load``: chunks read on the store's loop, verified and
+scattered on the calling thread, several chunks in flight.
 
-The caller verifies and scatters on its own thread; if it stops waiting (timeout, an earlier
-chunk failed), the reader frees the slab when its I/O returns, so no tier ever writes into a
-slab that was handed out again (failure rule 6).
+* A load is cut into chunks: a small first one (decode starts after ~1 MiB has arrived, not a
+  whole chunk), then ``load_chunk_bytes`` each. Up to ``load_depth`` chunks are read ahead, each
+  into its own staging slab taken without waiting (one slab is left free for offloads).
+* Within a chunk, every run of blocks whose fastest tier is the same is cut into up to the
+  tier's read parallelism pieces (``read_parallelism``, or the object tier's ``max_concurrency``)
+  read concurrently with one ``read_many`` each; one wake-up of the caller per chunk.
+* Host-tier chunks of CPU layouts are verified and scattered straight from the host arena
+  (records pinned against eviction meanwhile): no copy into a slab at all.
+* If the caller stops waiting (timeout, an earlier chunk failed), the reader frees the slab when
+  its I/O returns, so no tier ever writes into a slab that was handed out again (failure rule 6).
 """
 
 from __future__ import annotations
@@ -13,16 +20,43 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
+
+from .codec import decode_blocks, decode_records, record_bytes
 from .device_staging import DeviceSlab, DeviceSpan
 from .keys import BlockKey
+from .layout import EngineLayout
 from .metrics import StoreMetrics
-from .staging import Slab
+from .staging import Slab, StagingPool
 from .tiers.base import ReadRequest, Tier
 
 log = logging.getLogger("dynamo_tiered_kv.store")  # same logger as before the split: log filters keep working
+
+MIN_PIECE_BYTES = 1 << 20  # smaller concurrent reads cost more in requests than they gain in overlap
+
+
+@dataclass
+class LoadStages:
+    """Where one ``load`` spent its time (seconds) and what each tier delivered.
+
+    ``read_s[tier]``: wall time the tier was reading for this load (the union of its read intervals,
+    so chunks read in parallel count once); for in-place host reads, the time to pin the records.
+    ``read_bytes[tier]``: record bytes that arrived from the tier. ``wait_s``: time the calling
+    thread was blocked on reads (what overlapping did not hide). ``decode_s``: verify+scatter on
+    the calling thread. ``total_s``: the whole call. Lookup is the caller's and not included.
+    """
+
+    read_s: dict[str, float] = field(default_factory=dict)
+    read_bytes: dict[str, int] = field(default_factory=dict)
+    wait_s: float = 0.0
+    decode_s: float = 0.0
+    total_s: float = 0.0
+    chunks: int = 0
 
 
 class Handoff:
@@ -36,21 +70,32 @@ class Handoff:
 
 @dataclass
 class ChunkRead:
-    """One chunk of a load in flight on the loop."""
+    """One chunk of a load: read on the loop (``fut``) or, ``in_place`` = host tier index, on the caller."""
 
     start: int
     end: int
     slab: Slab | DeviceSlab
-    fut: concurrent.futures.Future
+    fut: concurrent.futures.Future | None
     hand: Handoff
+    in_place: int | None = None
+    spans: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # tier -> read intervals
+    nbytes: dict[int, int] = field(default_factory=dict)  # tier -> bytes arrived
 
 
 class ChunkReads:
-    """Mixin of ``TieredStore``: the reads of a load, run on the store's loop."""
+    """Mixin of ``TieredStore``: the load pipeline. The attributes below are the store's."""
 
     tiers: list[Tier]
     metrics: StoreMetrics
+    staging: StagingPool
+    admission: Any
+    write_depth: int
+    load_chunk_bytes: int
+    load_first_chunk_bytes: int
+    load_depth: int
     _loop: asyncio.AbstractEventLoop
+    _ns_digest: bytes
+    _closed: bool
 
     def _release(self, slab: Slab | DeviceSlab) -> None:
         raise NotImplementedError
@@ -58,15 +103,220 @@ class ChunkReads:
     def _gpu_direct(self, ti: int) -> bool:
         raise NotImplementedError
 
+    def _device_fits(self, layout: EngineLayout) -> bool:
+        raise NotImplementedError
+
+    def _slab_bytes(self, layout: EngineLayout) -> int:
+        raise NotImplementedError
+
+    def _acquire(self, layout: EngineLayout, tiers: set[int], wait: float | None) -> Slab | DeviceSlab | None:
+        raise NotImplementedError
+
+    def _schedule(self, coro, *, reserved: bool = False) -> None:
+        raise NotImplementedError
+
+    def _admits(self, ti: int, sightings: int) -> bool:
+        raise NotImplementedError
+
+    async def _write_slab(self, slab, rb, plan) -> None:
+        raise NotImplementedError
+
+    async def _forget(self, ti: int, key: BlockKey) -> None:
+        raise NotImplementedError
+
+    # --- caller side ---------------------------------------------------------------------------
+    def _load_pipelined(self, layout: EngineLayout, block_ids: Sequence[int], keys: Sequence[BlockKey],
+                        timeout: float | None, loaded: list[int], tiers_of: list[str], st: LoadStages) -> None:
+        """Fill ``loaded``/``tiers_of`` with the restored prefix, ``st`` with the stage timings."""
+        n = len(block_ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        rb = record_bytes(layout.shape)
+        per_chunk = min(self._slab_bytes(layout) // rb, max(1, self.load_chunk_bytes // rb))
+        first = max(1, min(per_chunk, self.load_first_chunk_bytes // rb))
+        in_place_ok = layout.fast_table() is not None
+        inflight: deque[ChunkRead] = deque()
+        next_i = 0
+        spans: dict[int, list[tuple[float, float]]] = {}
+        nbytes: dict[int, int] = {}
+
+        def remaining() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        def start(wait: float | None) -> bool:
+            nonlocal next_i
+            end = min(n, next_i + (first if next_i == 0 else per_chunk))
+            sources = {self._fastest(k) for k in keys[next_i:end]}
+            # GPU-direct only when every block of the chunk is in a GPU-direct tier (else host staging)
+            gd = sources if self._device_fits(layout) and None not in sources else set()
+            slab = self._acquire(layout, gd, wait)  # type: ignore[arg-type]
+            if slab is None:
+                return False
+            only = next(iter(sources)) if len(sources) == 1 else None
+            if (only is not None and in_place_ok and not isinstance(slab, DeviceSlab)
+                    and getattr(self.tiers[only], "reads_in_place", False)):
+                inflight.append(ChunkRead(next_i, end, slab, None, Handoff(), in_place=only))
+            else:
+                inflight.append(self._start_read(slab, rb, next_i, end, keys[next_i:end]))
+            next_i = end
+            return True
+
+        try:
+            while per_chunk > 0 and not self._closed:
+                if not inflight and (next_i >= n or not start(remaining())):
+                    break
+                # read ahead into slabs free right now, leaving one for offloads
+                while (next_i < n and len(inflight) < self.load_depth and self.staging.free_count > 1
+                       and start(0)):
+                    pass
+                rd = inflight.popleft()
+                st.chunks += 1
+                if rd.in_place is not None:
+                    ok, want = self._decode_in_place(layout, rd, block_ids, keys, rb, loaded, tiers_of, st)
+                    if ok < want:
+                        break
+                    if rd.start + want < rd.end:  # records left the host tier since the chunk was planned
+                        inflight.appendleft(self._start_read(rd.slab, rb, rd.start + want, rd.end,
+                                                             keys[rd.start + want:rd.end]))
+                    continue
+                t0 = time.perf_counter()
+                sources = self._finish_read(rd, remaining())
+                st.wait_s += time.perf_counter() - t0
+                if sources is None:  # timed out or failed; the slab is taken care of
+                    break
+                for ti, sp in rd.spans.items():
+                    spans.setdefault(ti, []).extend(sp)
+                for ti, b in rd.nbytes.items():
+                    nbytes[ti] = nbytes.get(ti, 0) + b
+                t0 = time.perf_counter()
+                ok = self._decode_chunk(layout, rd, sources, block_ids, keys, rb, loaded, tiers_of)
+                st.decode_s += time.perf_counter() - t0
+                if ok < rd.end - rd.start:
+                    break
+        finally:
+            while inflight:  # a failure stopped us: later chunks are not needed
+                self._abandon(inflight.popleft())
+        for ti, sp in spans.items():
+            name = self.tiers[ti].name
+            st.read_s[name] = st.read_s.get(name, 0.0) + _union(sp)
+        for ti, b in nbytes.items():
+            name = self.tiers[ti].name
+            st.read_bytes[name] = st.read_bytes.get(name, 0) + b
+
+    def _decode_in_place(self, layout: EngineLayout, rd: ChunkRead, block_ids: Sequence[int],
+                         keys: Sequence[BlockKey], rb: int, loaded: list[int], tiers_of: list[str],
+                         st: LoadStages) -> tuple[int, int]:
+        """Verify+scatter a host-tier chunk from the arena. Returns (restored, records found); records
+        not found any more are left to a normal read of the rest of the chunk into ``rd.slab``."""
+        ti = rd.in_place
+        assert ti is not None and isinstance(rd.slab, Slab)
+        tier: Any = self.tiers[ti]
+        slab = rd.slab
+        t0 = time.perf_counter()
+        views, pin = tier.pin_records(keys[rd.start:rd.end], lambda j: slab.array[j * rb:(j + 1) * rb])
+        t1 = time.perf_counter()
+        name = tier.name
+        st.read_s[name] = st.read_s.get(name, 0.0) + (t1 - t0)
+        want = next((j for j, v in enumerate(views) if v.nbytes != rb), len(views))  # foreign shape: a miss
+        st.read_bytes[name] = st.read_bytes.get(name, 0) + want * rb
+        self.metrics.read_seconds.labels(name).observe(t1 - t0)
+        self.metrics.read_bytes.labels(name).inc(want * rb)
+        promote: list[tuple[int, BlockKey, list[int]]] = []
+        ok = 0
+        try:
+            ids, ks = block_ids[rd.start:rd.start + want], keys[rd.start:rd.start + want]
+            try:
+                errors = decode_records(views[:want], layout, ids, namespace=self._ns_digest, keys=ks) if want else []
+            except Exception:  # a broken decode, not a bad record: fail the rest, keep serving
+                log.exception("decoding a load chunk failed; its blocks will be recomputed")
+                errors = None
+            if errors is not None:
+                ok = self._account(rd.start, [ti] * want, errors, block_ids, keys, loaded, tiers_of, promote)
+                if promote and ok == want == rd.end - rd.start:  # the slab is free for the records to promote
+                    for j, _, _ in promote:
+                        np.copyto(slab.array[j * rb:(j + 1) * rb], views[j][:rb])
+        finally:
+            pin.release()
+            st.decode_s += time.perf_counter() - t1
+        if ok < want:
+            self._release(slab)
+        elif want < rd.end - rd.start:
+            pass  # records left the host tier since the chunk was planned: the caller reads them into the slab
+        elif promote:
+            self._schedule(self._write_slab(slab, rb, promote))
+        else:
+            self._release(slab)
+        return ok, want
+
+    def _decode_chunk(self, layout: EngineLayout, rd: ChunkRead, sources: list[int | None],
+                      block_ids: Sequence[int], keys: Sequence[BlockKey], rb: int, loaded: list[int],
+                      tiers_of: list[str]) -> int:
+        """Verify+scatter one read chunk; hand its slab on (promotion) or free it. Returns #restored."""
+        start, slab = rd.start, rd.slab
+        n_read = next((j for j, src in enumerate(sources) if src is None), len(sources))
+        # One batched verify+scatter of everything read; blocks after a failure are reported
+        # failed whatever their own status (the engine recomputes from the first one).
+        ids, ks = block_ids[start:start + n_read], keys[start:start + n_read]
+        try:
+            if not n_read:
+                errors = []
+            elif isinstance(slab, DeviceSlab):
+                from .device_codec import decode_blocks_on_device
+
+                errors = decode_blocks_on_device(slab.tensor[:n_read * rb], layout, ids, namespace=self._ns_digest,
+                                                 keys=ks)
+            else:
+                errors = decode_blocks(slab.array[:n_read * rb], layout, ids, namespace=self._ns_digest, keys=ks)
+        except Exception:  # not a bad record but a broken decode (e.g. CUDA OOM): fail the rest, keep serving
+            log.exception("decoding a load chunk failed; its blocks will be recomputed")
+            self._release(slab)
+            return 0
+        promote: list[tuple[int, BlockKey, list[int]]] = []
+        ok = self._account(start, sources[:n_read], errors, block_ids, keys, loaded, tiers_of,
+                           None if isinstance(slab, DeviceSlab) else promote)
+        if promote:
+            self._schedule(self._write_slab(slab, rb, promote))
+        else:
+            self._release(slab)
+        return ok
+
+    def _account(self, start: int, sources: Sequence[int | None], errors: Sequence[Any],
+                 block_ids: Sequence[int], keys: Sequence[BlockKey], loaded: list[int], tiers_of: list[str],
+                 promote: list[tuple[int, BlockKey, list[int]]] | None) -> int:
+        """Record hits up to the first failed record; collect promotions. Returns #restored."""
+        ok = 0
+        for j, e in enumerate(errors):
+            src = sources[j]
+            assert src is not None
+            tier = self.tiers[src]
+            k = keys[start + j]
+            if e is not None:
+                log.warning("block %s from tier %s failed verification (%s); recomputing", k.hex(), tier.name, e)
+                self.metrics.checksum_failures.labels(tier.name).inc()
+                self.metrics.misses.labels(tier.name).inc()
+                self._schedule(self._forget(src, k))
+                break
+            self.metrics.hits.labels(tier.name).inc()
+            loaded.append(block_ids[start + j])
+            tiers_of.append(tier.name)
+            ok += 1
+            seen = self.admission.sight(k)
+            targets = [ti for ti in range(self.write_depth)
+                       if ti != src and not self.tiers[ti].contains(k) and self._admits(ti, seen)]
+            if targets and promote is not None:
+                promote.append((j, k, targets))
+        return ok
+
+    # --- loop side -----------------------------------------------------------------------------
     def _start_read(self, slab: Slab | DeviceSlab, rb: int, start: int, end: int,
                     keys: Sequence[BlockKey]) -> ChunkRead:
-        hand = Handoff()
-        fut = asyncio.run_coroutine_threadsafe(self._read_into_slab(slab, rb, keys, hand), self._loop)
-        return ChunkRead(start, end, slab, fut, hand)
+        rd = ChunkRead(start, end, slab, None, Handoff())
+        rd.fut = asyncio.run_coroutine_threadsafe(self._read_into_slab(rd, rb, keys), self._loop)
+        return rd
 
     def _finish_read(self, rd: ChunkRead, timeout: float | None) -> list[int | None] | None:
         """Each block's source tier (None from the first unreadable block on), or None on timeout
         or error (then the slab is freed: by the reader when the tier returns, or here)."""
+        assert rd.fut is not None
         try:
             return rd.fut.result(timeout)
         except TimeoutError:
@@ -87,18 +337,18 @@ class ChunkReads:
             return None
 
     def _abandon(self, rd: ChunkRead) -> None:
-        """Drop a prefetched read nobody will consume; whoever finishes last frees the slab."""
+        """Drop a read-ahead chunk nobody will consume; whoever finishes last frees the slab."""
         with rd.hand.lock:
-            if not rd.hand.done:
+            if rd.fut is not None and not rd.hand.done:
                 rd.hand.abandoned = True
                 return
-        self._release(rd.slab)  # the reader is past its I/O and never frees a slab itself
+        self._release(rd.slab)  # the reader is past its I/O (or there is none) and never frees a slab
 
-    async def _read_into_slab(self, slab: Slab | DeviceSlab, rb: int, keys: Sequence[BlockKey],
-                              hand: Handoff) -> list[int | None]:
+    async def _read_into_slab(self, rd: ChunkRead, rb: int, keys: Sequence[BlockKey]) -> list[int | None]:
         sources: list[int | None] = [None] * len(keys)
         try:
-            # Runs of consecutive blocks whose fastest tier is the same: one read_many per run.
+            # Runs of consecutive blocks whose fastest tier is the same, cut into concurrent pieces.
+            pieces: list[tuple[int, int, int]] = []
             j = 0
             while j < len(keys):
                 ti = self._fastest(keys[j])
@@ -108,19 +358,29 @@ class ChunkReads:
                 run_end = j + 1
                 while run_end < len(keys) and self._fastest(keys[run_end]) == ti:
                     run_end += 1
-                got = await self._read_run(ti, slab, rb, keys, j, run_end)
-                for g in range(got):
-                    sources[j + g] = ti
-                if got < run_end - j:
-                    break
+                pieces.extend((ti, a, b) for a, b in _split(j, run_end, rb, self._read_parallelism(ti)))
                 j = run_end
+            # return_exceptions: every piece has finished (none can write into the slab) when we return
+            got = await asyncio.gather(*(self._read_run(ti, rd, rb, keys, a, b) for ti, a, b in pieces),
+                                       return_exceptions=True)
+            for (ti, a, b), g in zip(pieces, got):
+                g = g if isinstance(g, int) else 0
+                for x in range(a, a + g):
+                    sources[x] = ti
+                if g < b - a:
+                    break
             return sources
         finally:
-            with hand.lock:
-                hand.done = True
-                abandoned = hand.abandoned
+            with rd.hand.lock:
+                rd.hand.done = True
+                abandoned = rd.hand.abandoned
             if abandoned:
-                self._release(slab)
+                self._release(rd.slab)
+
+    def _read_parallelism(self, ti: int) -> int:
+        t = self.tiers[ti]
+        par = getattr(t, "read_parallelism", None) or getattr(t, "max_concurrency", None) or 1
+        return max(1, int(par))
 
     def _fastest(self, key: BlockKey) -> int | None:
         for ti, t in enumerate(self.tiers):
@@ -128,10 +388,11 @@ class ChunkReads:
                 return ti
         return None
 
-    async def _read_run(self, ti: int, slab: Slab | DeviceSlab, rb: int, keys: Sequence[BlockKey], start: int,
+    async def _read_run(self, ti: int, rd: ChunkRead, rb: int, keys: Sequence[BlockKey], start: int,
                         end: int) -> int:
         """Read keys[start:end] from tier ``ti`` into slab slots; return how many leading ones arrived."""
         tier = self.tiers[ti]
+        slab = rd.slab
         if isinstance(slab, DeviceSlab) and not self._gpu_direct(ti):
             self.metrics.misses.labels(tier.name).inc(end - start)
             return 0  # moved to a tier without GPU-direct (or the path failed) since the chunk started
@@ -144,16 +405,42 @@ class ChunkReads:
             self.metrics.misses.labels(tier.name).inc(end - start)
             log.warning("read of %d blocks from tier %s failed: %s", end - start, tier.name, e)
             return 0
-        self.metrics.read_seconds.labels(tier.name).observe(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        self.metrics.read_seconds.labels(tier.name).observe(t1 - t0)
         got = 0
         for r in results:
             if r is None or r < rb:
                 break
             got += 1
+        rd.spans.setdefault(ti, []).append((t0, t1))
+        rd.nbytes[ti] = rd.nbytes.get(ti, 0) + got * rb
         self.metrics.read_bytes.labels(tier.name).inc(got * rb)
         if got < end - start:
             self.metrics.misses.labels(tier.name).inc(end - start - got)
         return got
+
+
+def _split(start: int, end: int, rb: int, parallelism: int) -> list[tuple[int, int]]:
+    """[start, end) in up to ``parallelism`` near-equal pieces of at least MIN_PIECE_BYTES."""
+    n = end - start
+    k = max(1, min(parallelism, n, n * rb // MIN_PIECE_BYTES))
+    bounds = [start + n * i // k for i in range(k + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(k)]
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by possibly overlapping intervals."""
+    total, cur_a, cur_b = 0.0, None, None
+    for a, b in sorted(spans):
+        if cur_b is None or a > cur_b:
+            if cur_b is not None and cur_a is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None and cur_a is not None:
+        total += cur_b - cur_a
+    return total
 
 
 def slot_view(slab: Slab | DeviceSlab, offset: int, nbytes: int) -> memoryview | DeviceSpan:

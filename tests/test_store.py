@@ -315,7 +315,7 @@ def test_chunked_load_pipelines_and_frees_every_slab_on_failure(pool: StagingPoo
 
 
 def test_broken_decode_fails_the_load_and_frees_the_slab(pool: StagingPool, monkeypatch: pytest.MonkeyPatch) -> None:
-    import dynamo_tiered_kv.store as store_mod
+    import dynamo_tiered_kv.store_reads as store_mod
 
     keys = keys_for(3)
     with make_store([HostTier(64 * REC, chunk_bytes=REC, pin=False)], pool) as store:
@@ -326,6 +326,7 @@ def test_broken_decode_fails_the_load_and_frees_the_slab(pool: StagingPool, monk
             raise RuntimeError("simulated CUDA OOM in scatter")
 
         monkeypatch.setattr(store_mod, "decode_blocks", broken)
+        monkeypatch.setattr(store_mod, "decode_records", broken)  # host records are decoded in place
         for _ in range(3):  # more loads than slabs: a leak would starve the later ones
             res = store.load(make_layout(), [4, 5, 6], keys, timeout=2)
             assert res.loaded_block_ids == [] and res.failed_block_ids == [4, 5, 6]

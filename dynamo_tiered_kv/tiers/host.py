@@ -4,13 +4,17 @@ The arena is cut into fixed chunks once; a record takes ``ceil(len / chunk)`` ch
 list, so writes never allocate and the byte capacity is exact. Eviction is least recently used
 (a read or write makes a key most recent). Copies are numpy memcpys; the tier holds a lock only
 around index updates, and copies are done under it too since they are short and memory-bound.
+
+``pin_records`` lets the store verify and scatter records where they lie in the arena (no copy
+into a staging slab): a pinned record's chunks are not reused until ``HostPin.release``, even if
+the key is evicted, overwritten or deleted meanwhile (its bytes then briefly count as free).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -48,6 +52,8 @@ class HostTier(Tier):
         self._used = 0
         self._lock = threading.Lock()
         self._on_evict = on_evict
+        self._pins: dict[int, int] = {}  # id(chunk list) -> pin count; a pinned list is alive, so ids are unique
+        self._unfreed: dict[int, list[int]] = {}  # pinned chunk lists whose key was dropped
 
     # --- index --------------------------------------------------------------------------
     def contains(self, key: BlockKey) -> bool:
@@ -86,6 +92,57 @@ class HostTier(Tier):
                 pos += take
             return n
 
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether loads may use ``pin_records``: not when a subclass changed how reads behave."""
+        return type(self).read_into is HostTier.read_into and type(self).read_many is HostTier.read_many
+
+    def pin_records(self, keys: Sequence[BlockKey],
+                    spill: Callable[[int], np.ndarray]) -> tuple[list[np.ndarray], HostPin]:
+        """Views of the records of the leading ``keys`` present (stops at the first absent one).
+
+        A record stored in adjacent chunks is returned in place and pinned; any other is copied into
+        ``spill(j)`` (a writable buffer of at least its length). Call ``release`` on the pin once the
+        views are no longer read.
+        """
+        views: list[np.ndarray] = []
+        pinned: list[list[int]] = []
+        c = self._chunk
+        arena = self._arena.array
+        with self._lock:
+            for j, key in enumerate(keys):
+                e = self._index.get(key)
+                if e is None:
+                    break
+                length, chunks = e
+                self._index.move_to_end(key)
+                c0 = chunks[0] if chunks else 0
+                if all(chunks[i] == c0 + i for i in range(1, len(chunks))):
+                    views.append(arena[c0 * c:c0 * c + length])
+                    self._pins[id(chunks)] = self._pins.get(id(chunks), 0) + 1
+                    pinned.append(chunks)
+                    continue
+                dst = spill(j)
+                if dst.nbytes < length:
+                    break
+                for i, ch in enumerate(chunks):
+                    part = min(c, length - i * c)
+                    dst[i * c:i * c + part] = self._chunks[ch, :part]
+                views.append(dst[:length])
+        return views, HostPin(self, pinned)
+
+    def _unpin(self, pinned: list[list[int]]) -> None:
+        with self._lock:
+            for chunks in pinned:
+                n = self._pins[id(chunks)] - 1
+                if n:
+                    self._pins[id(chunks)] = n
+                    continue
+                del self._pins[id(chunks)]
+                dropped = self._unfreed.pop(id(chunks), None)
+                if dropped is not None:
+                    self._free.extend(dropped)
+
     async def write(self, key: BlockKey, data: memoryview) -> None:
         self.write_sync(key, data)
 
@@ -95,28 +152,38 @@ class HostTier(Tier):
         if need * self._chunk > self._capacity:
             raise TierFull(f"record of {src.nbytes} bytes exceeds host tier capacity {self._capacity}")
         evicted: list[BlockKey] = []
-        with self._lock:
-            self._drop(key)
-            while len(self._free) < need:
-                old, _ = next(iter(self._index.items()))
-                self._drop(old)
-                evicted.append(old)
-            chunks = [self._free.pop() for _ in range(need)]
-            c = self._chunk
-            for i, ch in enumerate(chunks):
-                part = src[i * c : (i + 1) * c]
-                self._chunks[ch, : part.nbytes] = part
-            self._index[key] = (src.nbytes, chunks)
-            self._used += src.nbytes
-        if self._on_evict is not None:
-            for k in evicted:
-                self._on_evict(k)
+        try:
+            with self._lock:
+                self._store_locked(key, src, need, evicted)
+        finally:
+            if self._on_evict is not None:
+                for k in evicted:
+                    self._on_evict(k)
+
+    def _store_locked(self, key: BlockKey, src: np.ndarray, need: int, evicted: list[BlockKey]) -> None:
+        self._drop(key)
+        while len(self._free) < need:
+            if not self._index:  # the rest is pinned by loads in progress
+                raise TierFull(f"host tier: {src.nbytes} bytes do not fit beside pinned records")
+            old, _ = next(iter(self._index.items()))
+            self._drop(old)
+            evicted.append(old)
+        chunks = [self._free.pop() for _ in range(need)]
+        c = self._chunk
+        for i, ch in enumerate(chunks):
+            part = src[i * c : (i + 1) * c]
+            self._chunks[ch, : part.nbytes] = part
+        self._index[key] = (src.nbytes, chunks)
+        self._used += src.nbytes
 
     def _drop(self, key: BlockKey) -> bool:
         e = self._index.pop(key, None)
         if e is None:
             return False
-        self._free.extend(e[1])
+        if id(e[1]) in self._pins:
+            self._unfreed[id(e[1])] = e[1]  # a load reads it in place: free its chunks on unpin
+        else:
+            self._free.extend(e[1])
         self._used -= e[0]
         return True
 
@@ -128,3 +195,18 @@ class HostTier(Tier):
         with self._lock:
             self._index.clear()
             self._used = 0
+
+
+class HostPin:
+    """Records ``HostTier.pin_records`` returned in place; ``release`` once (idempotent)."""
+
+    __slots__ = ("_pinned", "_tier")
+
+    def __init__(self, tier: HostTier, pinned: list[list[int]]) -> None:
+        self._tier: HostTier | None = tier
+        self._pinned = pinned
+
+    def release(self) -> None:
+        tier, self._tier = self._tier, None
+        if tier is not None and self._pinned:
+            tier._unpin(self._pinned)
