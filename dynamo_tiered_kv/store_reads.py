@@ -284,26 +284,30 @@ class ChunkReads:
                  promote: list[tuple[int, BlockKey, list[int]]] | None) -> int:
         """Record hits up to the first failed record; collect promotions. Returns #restored."""
         ok = 0
+        hits: dict[str, int] = {}
+        tiers = self.tiers
         for j, e in enumerate(errors):
             src = sources[j]
             assert src is not None
-            tier = self.tiers[src]
+            name = tiers[src].name
             k = keys[start + j]
             if e is not None:
-                log.warning("block %s from tier %s failed verification (%s); recomputing", k.hex(), tier.name, e)
-                self.metrics.checksum_failures.labels(tier.name).inc()
-                self.metrics.misses.labels(tier.name).inc()
+                log.warning("block %s from tier %s failed verification (%s); recomputing", k.hex(), name, e)
+                self.metrics.checksum_failures.labels(name).inc()
+                self.metrics.misses.labels(name).inc()
                 self._schedule(self._forget(src, k))
                 break
-            self.metrics.hits.labels(tier.name).inc()
+            hits[name] = hits.get(name, 0) + 1
             loaded.append(block_ids[start + j])
-            tiers_of.append(tier.name)
+            tiers_of.append(name)
             ok += 1
             seen = self.admission.sight(k)
             targets = [ti for ti in range(self.write_depth)
-                       if ti != src and not self.tiers[ti].contains(k) and self._admits(ti, seen)]
+                       if ti != src and not tiers[ti].contains(k) and self._admits(ti, seen)]
             if targets and promote is not None:
                 promote.append((j, k, targets))
+        for name, c in hits.items():  # one metric update per chunk, not per block
+            self.metrics.hits.labels(name).inc(c)
         return ok
 
     # --- loop side -----------------------------------------------------------------------------

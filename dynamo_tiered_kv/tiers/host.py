@@ -117,7 +117,7 @@ class HostTier(Tier):
                 length, chunks = e
                 self._index.move_to_end(key)
                 c0 = chunks[0] if chunks else 0
-                if all(chunks[i] == c0 + i for i in range(1, len(chunks))):
+                if len(chunks) == 1 or chunks == list(range(c0, c0 + len(chunks))):
                     views.append(arena[c0 * c:c0 * c + length])
                     self._pins[id(chunks)] = self._pins.get(id(chunks), 0) + 1
                     pinned.append(chunks)

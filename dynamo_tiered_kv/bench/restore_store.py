@@ -1,0 +1,223 @@
+"""restore_store: TieredStore.load of N blocks per tier against the raw read of the same bytes.
+
+Per tier, in one process and interleaved round by round (so device and cache drift hit both):
+``host``: load from the host tier vs one memcpy of the same payload bytes. ``ssd``: load from SSD
+segments in ``--dir`` (host tier off) vs O_DIRECT preadv of the same segment bytes, ``--qd``
+reads of ``--piece-mib`` in flight. ``objdir``: object tier on a local directory vs parallel
+preads of the data objects. ``s3``: object tier on S3 (``--s3-endpoint``/``DTKV_S3_ENDPOINT``,
+else an in-process moto server) vs parallel ranged GETs (``s3_max_concurrency`` in flight).
+Each row: best and median load/raw ratio, and the load's stage breakdown (``LoadResult.stages``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from ..codec import record_bytes
+from ..config import TieredKVConfig
+from ..factory import build_store
+from ..keys import Namespace, chain_keys, parents_of
+from ..layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
+from ..tiers.ssd.io import aligned_buffer
+
+SHAPES = {"qwen2-7b-ish": (8, 2, 128), "qwen2.5-0.5b": (24, 2, 64), "llama-3.1-8b": (32, 8, 128)}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tiers", default="host,ssd,objdir", help="comma list of host, ssd, objdir, s3")
+    p.add_argument("--shape", choices=list(SHAPES), default="qwen2-7b-ish", help="layers, KV heads, head size")
+    p.add_argument("--blocks", type=int, default=504)
+    p.add_argument("--dir", default=None, help="directory on the SSD under test (default: a temp dir)")
+    p.add_argument("--qd", type=int, default=4, help="raw SSD reads in flight")
+    p.add_argument("--piece-mib", type=int, default=8, help="raw read size")
+    p.add_argument("--s3-endpoint", default=os.environ.get("DTKV_S3_ENDPOINT"))
+    p.add_argument("--s3-concurrency", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=5)
+
+
+def _progress(msg: str) -> None:
+    print(f"[restore_store] {msg}", file=sys.stderr, flush=True)
+
+
+def _layout(shape: str, n: int) -> tuple[EngineLayout, Namespace, list[bytes]]:
+    layers, heads, hs = SHAPES[shape]
+    kind = EngineLayoutKind.FLASH_ATTN
+    ts = allocate_engine_kv(kind, num_layers=layers, num_blocks=n + 1, block_size=16, num_kv_heads=heads,
+                            head_size=hs, dtype=torch.bfloat16)
+    for t in ts:
+        t.normal_()
+    ns = Namespace(f"bench-{shape}", "bfloat16", kind.name, 16, layers, heads, hs)
+    return EngineLayout(kind, ts, 16, heads, hs), ns, chain_keys(ns, np.arange(n * 16) % 50000)
+
+
+def _files(d: str) -> list[str]:
+    return sorted(p for p in glob.glob(f"{d}/**/*", recursive=True)
+                  if os.path.isfile(p) and os.path.getsize(p) >= 1 << 20)
+
+
+def _raw_files(paths: list[str], piece: int, qd: int, direct: bool, bufs: list[np.ndarray]) -> int:
+    """Read every file whole, ``qd`` reads of ``piece`` bytes in flight."""
+    jobs = []
+    fds = [os.open(p, os.O_RDONLY | (os.O_DIRECT if direct else 0)) for p in paths]
+    for fd, p in zip(fds, paths):
+        size = os.path.getsize(p) // 4096 * 4096
+        jobs += [(fd, off, min(piece, size - off)) for off in range(0, size, piece)]
+
+    def one(i: int) -> int:
+        fd, off, n = jobs[i]
+        return os.preadv(fd, [bufs[i % len(bufs)][:n]], off)
+
+    try:
+        with ThreadPoolExecutor(qd) as ex:
+            return sum(ex.map(one, range(len(jobs))))
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _measure(name: str, load: Callable[[], object], raw: Callable[[], int], repeats: int, nbytes: int) -> dict:
+    loads, raws, stages = [], [], []
+    for r in range(repeats + 1):  # round 0 warms up
+        order = (("raw", raw), ("load", load)) if r % 2 else (("load", load), ("raw", raw))
+        for what, fn in order:
+            t0 = time.perf_counter()
+            out = fn()
+            dt = time.perf_counter() - t0
+            if not r:
+                continue
+            if what == "raw":
+                raws.append(dt)
+            else:
+                loads.append(dt)
+                stages.append(out)
+        if r:
+            _progress(f"{name} round {r}/{repeats}: load {loads[-1] * 1e3:.1f} ms raw {raws[-1] * 1e3:.1f} ms")
+    ratios = [a / b for a, b in zip(loads, raws)]
+    best = min(range(len(loads)), key=lambda i: loads[i])
+    st = stages[best].stages  # type: ignore[attr-defined]
+    return {"tier": name, "mib": nbytes / (1 << 20), "load_ms": min(loads) * 1e3, "raw_ms": min(raws) * 1e3,
+            "load_gbps": nbytes / min(loads) / 1e9, "raw_gbps": nbytes / min(raws) / 1e9,
+            "ratio_best": min(loads) / min(raws), "ratio_median": statistics.median(ratios),
+            "read_ms": {k: v * 1e3 for k, v in st.read_s.items()}, "wait_ms": st.wait_s * 1e3,
+            "decode_ms": st.decode_s * 1e3, "chunks": st.chunks}
+
+
+def _bench_tier(tier: str, args: argparse.Namespace, root: str) -> dict:
+    n = args.blocks
+    layout, ns, keys = _layout(args.shape, n)
+    ids = list(range(1, n + 1))
+    nbytes = n * record_bytes(layout.shape)
+    cfg: dict = {"metrics_port": None, "host_capacity_bytes": 0}
+    d = os.path.join(args.dir or root, f"restore-{tier}-{os.getpid()}")
+    os.makedirs(d, exist_ok=True)
+    server = None
+    if tier == "host":
+        cfg["host_capacity_bytes"] = nbytes * 2 + (64 << 20)
+    elif tier == "ssd":
+        cfg.update(ssd_dir=d, ssd_capacity_bytes=4 * nbytes + (1 << 30))
+    else:  # object tiers: written through a scratch SSD tier, persisted, then read with the SSD tier off
+        cfg.update(ssd_dir=os.path.join(d, "ssd"), ssd_capacity_bytes=4 * nbytes + (1 << 30))
+        if tier == "objdir":
+            cfg["object_url"] = f"file://{d}/objects"
+        else:
+            endpoint = args.s3_endpoint
+            if not endpoint:
+                from moto.server import ThreadedMotoServer
+
+                server = ThreadedMotoServer(port=0, verbose=False)
+                server.start()
+                endpoint = f"http://127.0.0.1:{server._server.server_port}"  # type: ignore[union-attr]
+                os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+                os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+            cfg.update(object_url=f"s3://dtkv-bench/restore-{os.getpid()}", s3_endpoint_url=endpoint,
+                       s3_max_concurrency=args.s3_concurrency)
+    _progress(f"{tier}: writing {n} blocks ({nbytes / (1 << 20):.0f} MiB)")
+    store = build_store(TieredKVConfig.from_mapping(cfg), ns)
+    try:
+        assert store.submit_offload(layout, ids, keys, parents_of(keys)), "offload dropped"
+        store.drain(120)
+        if tier in ("objdir", "s3"):
+            store.persist(120)
+            store.close()
+            cfg.pop("ssd_dir")
+            store = build_store(TieredKVConfig.from_mapping(cfg), ns)
+        assert store.lookup(keys).num_blocks == n, "not every block is restorable"
+        raw = _raw_for(tier, store, d, nbytes, args)
+
+        def load() -> object:
+            res = store.load(layout, ids, keys, timeout=120)
+            assert not res.failed_block_ids, "load failed"
+            return res
+
+        return _measure(tier, load, raw, args.repeats, nbytes)
+    finally:
+        store.close()
+        if server is not None:
+            server.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _raw_for(tier: str, store, d: str, nbytes: int, args: argparse.Namespace) -> Callable[[], int]:
+    piece = args.piece_mib << 20
+    if tier == "host":
+        src, dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
+        return lambda: int(np.copyto(dst, src) or nbytes)
+    if tier in ("ssd", "objdir"):
+        paths = _files(d if tier == "ssd" else os.path.join(d, "objects"))
+        bufs = [aligned_buffer(piece) for _ in range(args.qd)]
+        return lambda: _raw_files(paths, piece, args.qd, tier == "ssd", bufs)
+    obj = store.tiers[-1]
+    backend = obj.backend
+    datas = sorted({obj.location(k)[0] for k in obj.keys()})  # noqa: SIM118 - a Tier, not a dict
+    sizes = {}
+
+    async def head() -> None:
+        for name in datas:
+            sizes[name] = (await backend.head(name)).size
+
+    asyncio.run_coroutine_threadsafe(head(), store._loop).result(60)
+    jobs = [(nm, off, min(piece, sizes[nm] - off)) for nm in datas for off in range(0, sizes[nm], piece)]
+    bufs = [bytearray(piece) for _ in range(args.s3_concurrency)]
+
+    async def gets() -> int:
+        sem = asyncio.Semaphore(args.s3_concurrency)
+
+        async def one(i: int) -> int:
+            nm, off, n = jobs[i]
+            async with sem:
+                return await backend.get_range(nm, off, [memoryview(bufs[i % len(bufs)])[:n]]) or 0
+
+        return sum(await asyncio.gather(*(one(i) for i in range(len(jobs)))))
+
+    return lambda: asyncio.run_coroutine_threadsafe(gets(), store._loop).result(120)
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(1)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="dtkv-restore-") as root:
+        for tier in [t.strip() for t in args.tiers.split(",") if t.strip()]:
+            rows.append(_bench_tier(tier, args, root))
+    if getattr(args, "json", False):
+        return {"shape": args.shape, "blocks": args.blocks, "tiers": {r["tier"]: r for r in rows}}
+    out: dict = {"shape": args.shape, "blocks": args.blocks}
+    for r in rows:  # one readable line per tier
+        reads = " ".join(f"{k} {v:.1f}" for k, v in r["read_ms"].items())
+        out[r["tier"]] = (f"{r['mib']:.0f} MiB  load {r['load_ms']:.1f} ms ({r['load_gbps']:.2f} GB/s)  raw "
+                          f"{r['raw_ms']:.1f} ms ({r['raw_gbps']:.2f} GB/s)  load/raw best {r['ratio_best']:.2f} "
+                          f"median {r['ratio_median']:.2f}  | read ms: {reads}  wait {r['wait_ms']:.1f}  "
+                          f"decode {r['decode_ms']:.1f}  chunks {r['chunks']}")
+    return out
