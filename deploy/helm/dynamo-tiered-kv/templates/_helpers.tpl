@@ -120,21 +120,66 @@ metrics settings: the GC job has no SSD volume and serves no metrics.
 {{- toYaml $cfg -}}
 {{- end -}}
 
-{{/* The --kv-transfer-config JSON for vLLM. */}}
+{{/* Our connector's kv_transfer_config entry (top level when aggregated, a MultiConnector child when not). */}}
+{{- define "dtkv.tieredConnector" -}}
+{{- toJson (dict "kv_connector" "TieredKVConnector" "kv_connector_module_path" "dynamo_tiered_kv.connectors.vllm" "kv_role" .Values.connector.kvRole "kv_connector_extra_config" (.Values.connector.extraConfig | default dict)) -}}
+{{- end -}}
+
+{{/*
+The --kv-transfer-config JSON for vLLM. `role`: "" (aggregated: our connector alone), "prefill"
+or "decode" (disaggregated: vLLM's MultiConnector over ours and NixlConnector). MultiConnector
+loads from the first child that reports a hit and saves through all of them: the prefill worker
+asks ours first (a stored prefix is not recomputed), the decode worker asks NIXL first (the
+prefill worker's blocks arrive over NIXL; ours only answers requests that had no remote prefill).
+kv_load_failure_policy is set on the MultiConnector because vLLM's scheduler reads the top level.
+*/}}
 {{- define "dtkv.kvTransferConfig" -}}
-{{- $c := dict "kv_connector" "TieredKVConnector" "kv_connector_module_path" "dynamo_tiered_kv.connectors.vllm" "kv_role" .Values.connector.kvRole "kv_connector_extra_config" (.Values.connector.extraConfig | default dict) -}}
-{{- toJson $c -}}
+{{- $root := .root -}}
+{{- $ours := include "dtkv.tieredConnector" $root | fromJson -}}
+{{- if not .role -}}
+{{- toJson $ours -}}
+{{- else -}}
+{{- $d := $root.Values.disaggregation -}}
+{{- $nixl := dict "kv_connector" "NixlConnector" "kv_role" "kv_both" -}}
+{{- with $d.nixl.extraConfig -}}{{- $_ := set $nixl "kv_connector_extra_config" . -}}{{- end -}}
+{{- $children := list $ours $nixl -}}
+{{- if eq .role "decode" -}}
+{{- $children = list $nixl -}}
+{{- if $d.decode.tieredKV -}}{{- $children = list $nixl $ours -}}{{- end -}}
+{{- end -}}
+{{- if eq (len $children) 1 -}}
+{{- toJson $nixl -}}
+{{- else -}}
+{{- toJson (dict "kv_connector" "MultiConnector" "kv_role" "kv_both" "kv_load_failure_policy" "recompute" "kv_connector_extra_config" (dict "connectors" $children)) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{/* ---------------------------------------------------------------- worker pieces */}}
 
+{{/* Worker args; call with (dict "root" $ "role" ""|"prefill"|"decode"). */}}
 {{- define "dtkv.workerArgs" -}}
-{{- $args := list "--model" (required "model.name is required" .Values.model.name) -}}
-{{- with .Values.model.servedModelName -}}{{- $args = concat $args (list "--served-model-name" .) -}}{{- end -}}
-{{- $tp := include "dtkv.tpSize" . -}}
+{{- $root := .root -}}
+{{- $v := $root.Values -}}
+{{- $args := list "--model" (required "model.name is required" $v.model.name) -}}
+{{- with $v.model.servedModelName -}}{{- $args = concat $args (list "--served-model-name" .) -}}{{- end -}}
+{{- $tp := include "dtkv.tpSize" $root -}}
 {{- if ne $tp "1" -}}{{- $args = concat $args (list "--tensor-parallel-size" $tp) -}}{{- end -}}
+{{- with .role -}}{{- $args = concat $args (list "--disaggregation-mode" .) -}}{{- end -}}
 {{- $args = concat $args (list "--kv-transfer-config" (include "dtkv.kvTransferConfig" .)) -}}
-{{- $args = concat $args .Values.model.extraArgs -}}
+{{- $args = concat $args $v.model.extraArgs -}}
+{{- with .role -}}{{- $args = concat $args (index $v.disaggregation . "extraArgs") -}}{{- end -}}
+{{- toYaml $args -}}
+{{- end -}}
+
+{{/* Frontend args: the KV router (mode and per-tier hit weights), then frontend.args. */}}
+{{- define "dtkv.frontendArgs" -}}
+{{- $f := .Values.dynamoGraphDeployment.frontend -}}
+{{- $args := list -}}
+{{- with $f.router.mode -}}{{- $args = concat $args (list "--router-mode" .) -}}{{- end -}}
+{{- if not (kindIs "invalid" $f.router.hostCacheHitWeight) -}}{{- $args = concat $args (list "--router-host-cache-hit-weight" (toString $f.router.hostCacheHitWeight)) -}}{{- end -}}
+{{- if not (kindIs "invalid" $f.router.diskCacheHitWeight) -}}{{- $args = concat $args (list "--router-disk-cache-hit-weight" (toString $f.router.diskCacheHitWeight)) -}}{{- end -}}
+{{- $args = concat $args $f.args -}}
 {{- toYaml $args -}}
 {{- end -}}
 
@@ -392,6 +437,14 @@ object_ttl_s default), not from the config file.
 {{- $sys := $v.worker.dynamoSystem.port | int -}}
 {{- if and $v.worker.dynamoSystem.enabled (le $first $sys) (le $sys $last) -}}
 {{- fail (printf "%s and worker.dynamoSystem.port %d collide: Dynamo's system server and the dtkv metrics servers need their own ports; move metrics.port" $what $sys) -}}
+{{- end -}}
+{{- end -}}
+{{- if $v.disaggregation.enabled -}}
+{{- if ne $v.worker.kind "DynamoGraphDeployment" -}}
+{{- fail "disaggregation.enabled needs worker.kind=DynamoGraphDeployment (the operator wires prefill and decode workers together)" -}}
+{{- end -}}
+{{- if ne $v.dynamoGraphDeployment.apiVersion "nvidia.com/v1beta1" -}}
+{{- fail "disaggregation.enabled needs dynamoGraphDeployment.apiVersion=nvidia.com/v1beta1" -}}
 {{- end -}}
 {{- end -}}
 {{- include "dtkv.validateMemory" . -}}

@@ -37,7 +37,7 @@ spec:
       command:
         {{- toYaml .Values.worker.command | nindent 8 }}
       args:
-        {{- include "dtkv.workerArgs" . | nindent 8 }}
+        {{- include "dtkv.workerArgs" (dict "root" . "role" "") | nindent 8 }}
       env:
         {{- include "dtkv.workerEnv" . | nindent 8 }}
       {{- with .Values.worker.envFrom }}
