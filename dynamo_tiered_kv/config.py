@@ -77,7 +77,10 @@ class TieredKVConfig(BaseSettings):
     admission: Literal["always", "second_hit"] = "always"
     min_prefix_blocks: int = Field(1, ge=1, description="only offload prefixes at least this long")
     max_pending_offloads: int = Field(64, ge=1, description="queued offload batches before dropping")
-    load_timeout_s: float = Field(30.0, gt=0)
+    load_timeout_s: float = Field(30.0, gt=0, description="deadline of one restore; blocks not restored are recomputed")
+    load_async: bool = Field(
+        True, description="restore in the background while the batch keeps decoding (vLLM WAITING_FOR_REMOTE_KVS)"
+    )
 
     # --- observability ---------------------------------------------------------------------------
     metrics_port: int | None = Field(

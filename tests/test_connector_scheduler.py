@@ -48,7 +48,9 @@ class FakeLookup:
 
 
 def role(lookup, **cfg) -> SchedulerRole:
-    return SchedulerRole(TieredKVConfig.from_mapping(cfg), model_id="m", block_size=BS, lookup=lookup)
+    """Synchronous loads unless ``load_async=True`` (tests/test_connector_async.py covers those)."""
+    return SchedulerRole(TieredKVConfig.from_mapping({"load_async": False, **cfg}), model_id="m", block_size=BS,
+                         lookup=lookup)
 
 
 def sched_output(new=(), cached=(), tokens=None):

@@ -86,7 +86,13 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are whole-prefix and synchronous in start_load_kv
+        return  # loads are whole-prefix: in the background (onboard) or synchronous in start_load_kv
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(finished sending: none, saves never hold blocks; finished receiving: async restores over)."""
+        if self._worker is None:
+            return None, None
+        return None, self._worker.get_finished(finished_req_ids) or None
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # whole blocks are saved once per step in wait_for_save

@@ -20,11 +20,13 @@ except ImportError:  # pragma: no cover - only without vLLM
 
 @dataclass
 class LoadSpec:
-    """Restore ``token_hashes[i]`` into engine block ``block_ids[i]`` before this step's forward."""
+    """Restore ``token_hashes[i]`` into engine block ``block_ids[i]``: before this step's forward,
+    or with ``is_async`` in the background (the request waits in WAITING_FOR_REMOTE_KVS)."""
 
     req_id: str
     block_ids: list[int]
     token_hashes: list[bytes]
+    is_async: bool = False
 
 
 @dataclass

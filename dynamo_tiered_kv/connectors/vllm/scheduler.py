@@ -1,17 +1,30 @@
 """Scheduler role: how many prompt tokens the store can restore, and which blocks to move.
 
-Loads are synchronous (``load_kv_async=False``): vLLM then runs ``start_load_kv`` before the
-step's forward, and a failed block is reported through ``get_block_ids_with_load_errors`` so
-vLLM recomputes from it on. Saves are whole blocks that become full during a step; the worker
+Loads are asynchronous by default (``load_async``): ``get_num_new_matched_tokens`` returns
+``(n, True)``, vLLM allocates the blocks and parks the request in ``WAITING_FOR_REMOTE_KVS`` while
+the workers restore in the background (``onboard``) and the rest of the batch keeps running; each
+worker reports the restore through ``get_finished`` and its failed blocks in the same step. vLLM
+then rolls the request back to its first failed block, caches only the blocks before it (so no
+other request can take a prefix hit on an async load's blocks before its outcome is known) and
+schedules it. This role accumulates the failed blocks of every load in flight across steps (TP
+ranks may finish in different steps), moves ``saved`` back to the first failed block so the
+recomputed blocks are stored, and never offers that request a load at or past it again (a
+failure with nothing valid frees the blocks and vLLM asks again). A request aborted while its
+restore runs keeps its blocks until every worker reported it (vLLM's ``finish_requests`` delays
+the free of a ``WAITING_FOR_REMOTE_KVS`` request), so ``request_finished`` never has to.
+
+With ``load_async=False`` loads are synchronous: vLLM runs ``start_load_kv`` before the step's
+forward, and a failed block is reported through ``get_block_ids_with_load_errors`` so vLLM
+recomputes from it on. Saves are whole blocks that become full during a step; the worker
 copies them into staging inside that step's ``wait_for_save``, so by the time a request finishes
 its blocks are already out of the engine and ``request_finished`` never has to hold them.
 
 A request saves nothing while a block it computes over has an unknown load outcome (its own
-load, or another request's load it took a local prefix hit on, possibly in an earlier step whose
-output is not back yet: see ``load_outcomes``). A block that failed to load holds garbage, and so
-does everything computed over it (on every TP rank, through the all-reduce). Once every outcome
-is known: all loaded, saves resume where they stopped; a failure and vLLM rolled the request back
-to where its held computation began (or earlier), saves resume from the rolled-back
+load, or another request's synchronous load it took a local prefix hit on, possibly in an earlier
+step whose output is not back yet: see ``load_outcomes``). A block that failed to load holds
+garbage, and so does everything computed over it (on every TP rank, through the all-reduce). Once
+every outcome is known: all loaded, saves resume where they stopped; a failure and vLLM rolled the
+request back to where its held computation began (or earlier), saves resume from the rolled-back
 ``num_computed_tokens``, so the recomputed blocks are stored; a failure and vLLM kept KV computed
 over the failed block (it rolls back only one request per shared block), the request never saves
 again.
@@ -52,6 +65,10 @@ class _Req:
     held_from: int | None = None
     #: kept KV computed over a block that failed to load: never save again
     tainted: bool = False
+    load_first: int = 0  # block index of the first block of its last load
+    loading: bool = False  # an asynchronous load is in flight
+    #: an asynchronous load failed at this block index: never offer a load reaching it again
+    load_cap: int | None = None
 
     def hashes_upto(self, n: int) -> list[bytes]:
         tokens = self.request.all_token_ids
@@ -61,6 +78,13 @@ class _Req:
             parent = self.hashes[-1] if self.hashes else ROOT_KEY
             self.hashes.append(block_key(self.ns, parent, tokens[i * bs:(i + 1) * bs]))  # type: ignore[arg-type]
         return self.hashes[:n]
+
+
+@dataclass
+class _AsyncLoad:
+    block_ids: list[int]
+    first: int  # block index of block_ids[0] in the request
+    failed: set[int] = field(default_factory=set)  # reported so far, by any worker
 
 
 class SchedulerRole:
@@ -78,6 +102,9 @@ class SchedulerRole:
         self._events = None  # TieredKVEvents merged from the workers' outputs
         self._outcomes = LoadOutcomes()
         self._reset_pending = False
+        self.load_async = config.load_async
+        self._async: dict[str, _AsyncLoad] = {}  # asynchronous loads not yet reported finished
+        self._orphans: list[LoadSpec] = []  # async loads of requests finished before they were sent
 
     def _state(self, request: Any) -> _Req:
         st = self._reqs.get(request.request_id)
@@ -100,10 +127,12 @@ class SchedulerRole:
     # --- vLLM hooks -----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
-        if st.ns is None:
+        if st.ns is None or st.loading:
             return 0, False
         bs = self.block_size
         n_full = (request.num_tokens - 1) // bs  # vLLM must compute at least the last token
+        if st.load_cap is not None:
+            n_full = min(n_full, st.load_cap)
         first = num_computed_tokens // bs
         if n_full <= first:
             return 0, False
@@ -111,7 +140,7 @@ class SchedulerRole:
         n_hit, _tiers = self._lookup.lookup(hashes[first:])
         matched = n_hit * bs
         st.num_local = num_computed_tokens
-        return (matched, False) if matched > 0 else (0, False)
+        return (matched, self.load_async) if matched > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._state(request)
@@ -121,19 +150,29 @@ class SchedulerRole:
         if ext_blocks > 0 and st.ns is not None:
             ids = list(blocks.get_block_ids()[0])
             st.pending_load = LoadSpec(request.request_id, ids[local_blocks:local_blocks + ext_blocks],
-                                       st.hashes[local_blocks:local_blocks + ext_blocks])
+                                       st.hashes[local_blocks:local_blocks + ext_blocks], is_async=self.load_async)
+            st.load_first = local_blocks
+            st.loading = self.load_async
         # Blocks the engine already had or is about to load are stored: never save them again.
         st.saved = max(st.saved, local_blocks + ext_blocks)
 
     def build_connector_meta(self, scheduler_output: Any) -> TieredKVMetadata:
         meta = TieredKVMetadata(reset_cache=self._reset_pending)
         self._reset_pending = False
-        loading: list[int] = []  # engine blocks restored in this step
+        loading: list[int] = []  # engine blocks restored synchronously in this step
+        meta.loads, self._orphans = self._orphans, []
         for st in self._reqs.values():
-            if st.pending_load is not None:
-                meta.loads.append(st.pending_load)
-                loading.extend(st.pending_load.block_ids)
-                st.pending_load = None
+            spec = st.pending_load
+            if spec is None:
+                continue
+            meta.loads.append(spec)
+            st.pending_load = None
+            if spec.is_async:
+                # Outcome unknown until every worker reported it (update_connector_output).
+                self._outcomes.started(spec.block_ids)
+                self._async[spec.req_id] = _AsyncLoad(list(spec.block_ids), st.load_first)
+            else:
+                loading.extend(spec.block_ids)
         self._outcomes.step_built(loading)
         computed: dict[str, int] = {}
         for nr in scheduler_output.scheduled_new_reqs:
@@ -203,7 +242,10 @@ class SchedulerRole:
 
     def update_connector_output(self, connector_output: Any) -> None:
         # One output per built step, in step order: the oldest step's load outcome is now known.
-        self._outcomes.step_output(getattr(connector_output, "invalid_block_ids", None) or ())
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        self._outcomes.step_output(invalid)
+        if self._async:
+            self._async_outcomes(invalid, getattr(connector_output, "finished_recving", None) or ())
         events = getattr(connector_output, "kv_cache_events", None)
         if events is None or type(events).__name__ != "TieredKVEvents":
             return
@@ -212,6 +254,32 @@ class SchedulerRole:
         else:
             self._events.add_events(events.get_all_events())
             self._events.increment_workers(events.get_number_of_workers())
+
+    def _async_outcomes(self, invalid: set[int], finished: Any) -> None:
+        """Failed blocks of async loads (any step up to their finish) and loads every worker finished.
+
+        An async load's blocks belong to its waiting request until vLLM sees it finished (even if
+        aborted), so an invalid id among them is theirs.
+        """
+        if invalid:
+            for ld in self._async.values():
+                ld.failed.update(invalid.intersection(ld.block_ids))
+        for req_id in finished:
+            ld = self._async.pop(req_id, None)
+            if ld is None:
+                continue
+            self._outcomes.finished(ld.block_ids, ld.failed)
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue  # finished (aborted) while loading; vLLM frees its blocks now
+            st.loading = False
+            if ld.failed:
+                # vLLM rolls it back to this block and recomputes from it: store what it recomputes.
+                cut = ld.first + min(ld.block_ids.index(b) for b in ld.failed)
+                st.saved = min(st.saved, cut)
+                st.load_cap = cut if st.load_cap is None else min(st.load_cap, cut)
+                log.info("request %s: %d of %d restored blocks failed; vLLM recomputes from block %d",
+                         req_id, len(ld.failed), len(ld.block_ids), cut)
 
     def take_events(self) -> list[Any]:
         """BlockStored events every worker reported since the last call."""
@@ -222,8 +290,13 @@ class SchedulerRole:
         return out
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # Saves were copied to staging inside the steps that computed them (see module docstring).
-        self._reqs.pop(request.request_id, None)
+        # Saves were copied to staging inside the steps that computed them, and vLLM itself keeps
+        # the blocks of a request aborted while its async load runs (see module docstring).
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None and st.pending_load is not None and st.pending_load.is_async:
+            self._orphans.append(st.pending_load)  # vLLM waits for its finished_recving: send it anyway
+            self._outcomes.started(st.pending_load.block_ids)
+            self._async[request.request_id] = _AsyncLoad(list(st.pending_load.block_ids), st.load_first)
         self._outcomes.forget(request.request_id)
         return False, None
 
@@ -237,7 +310,7 @@ class SchedulerRole:
         """
         self._epoch = secrets.token_hex(16)
         for st in self._reqs.values():
-            st.ns = None  # (no load is pending: vLLM resets between steps, loads are built in-step)
+            st.ns = None  # (async loads still running report every block failed: see onboard.reset)
         self._reset_pending = True
         log.info("TieredKVConnector: cache reset; stored KV of the previous weights is no longer used")
         return True

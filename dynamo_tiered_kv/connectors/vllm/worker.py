@@ -1,4 +1,5 @@
-"""Worker role: owns the store next to the KV tensors; loads before the forward, saves after it."""
+"""Worker role: owns the store next to the KV tensors; restores in the background (``onboard``) or
+before the forward (``load_async=False``), saves after the forward."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from ...factory import build_store
 from ...keys import ROOT_KEY, Namespace, engine_block_key
 from ...layout import EngineLayout
 from ...store import TieredStore
-from .metadata import TieredKVMetadata
+from .metadata import LoadSpec, TieredKVMetadata
+from .onboard import Onboarder, Restored
 from .rendezvous import LookupServer, register_local, unregister_local
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ class WorkerRole:
         #: wall seconds spent in loads and in save submissions (the demo reports these)
         self.load_seconds = 0.0
         self.save_seconds = 0.0
+        self._onboard = Onboarder(self._restore, config.load_timeout_s)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         layout = _detect_layout(kv_caches, self.block_size, self.num_kv_heads, self.head_size, self.is_mla)
@@ -91,23 +94,66 @@ class WorkerRole:
         return r.num_blocks, r.tier_per_block
 
     def start_load_kv(self, meta: TieredKVMetadata) -> None:
-        """Run this step's loads, all within one ``load_timeout_s`` (the whole batch waits on them)."""
+        """Submit this step's async restores; run its synchronous loads within one ``load_timeout_s``."""
         self._failed_this_step = set()
-        if meta.reset_cache and self.store is not None:
-            self.store.drop_local()  # the weights changed: this node's blocks can never be used again
+        if meta.reset_cache:
+            self._onboard.reset()  # restores in flight bring KV of the old weights: recompute them
+            if self.store is not None:
+                self.store.drop_local()  # the weights changed: this node's blocks can never be used again
+        sync: list[LoadSpec] = []
+        for spec in meta.loads:
+            if not spec.is_async:
+                sync.append(spec)
+            elif self.store is None or self.layout is None:
+                self._onboard.submit_failed(spec.req_id, spec.block_ids)
+            else:  # keys now: the namespace is the engine thread's
+                self._onboard.submit(spec.req_id, spec.block_ids, self.keys_of(spec.token_hashes))
+        if sync:
+            self._load_sync(sync)
+
+    def _restore(self, block_ids: list[int], keys: list[Any], timeout: float) -> Any:
+        """One async restore, on an onboarding thread (``TieredStore.load`` allows any thread)."""
+        store, layout = self.store, self.layout
+        if store is None or layout is None:
+            raise RuntimeError("store closed")
+        return store.load(layout, block_ids, keys, timeout=timeout)
+
+    def get_finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests whose async restore is over; their failed blocks go into this step's load errors."""
+        done = self._onboard.poll(finished_req_ids)
+        for r in done:
+            self._note_restored(r)
+        return {r.req_id for r in done}
+
+    def _note_restored(self, r: Restored) -> None:
+        if r.failed_block_ids:
+            log.info("request %s: %d blocks failed to restore; vLLM recomputes them", r.req_id,
+                     len(r.failed_block_ids))
+            self._load_errors.update(r.failed_block_ids)
+        self.served[r.req_id] = r.tier_per_block
+        if len(self.served) > _SERVED_HISTORY:
+            self.served.popitem(last=False)
+        self.load_seconds += r.load_s
+        if self.store is not None:  # the engine-facing stages of a restore
+            h = self.store.metrics.restore_stage_seconds
+            h.labels("queue", "all").observe(r.queued_s)
+            h.labels("engine_wait", "all").observe(r.engine_wait_s)
+
+    def _load_sync(self, loads: list[LoadSpec]) -> None:
+        """Synchronous loads (the whole batch waits on them), all within one ``load_timeout_s``."""
         if self.store is None or self.layout is None:
-            for spec in meta.loads:
+            for spec in loads:
                 self._failed_this_step.update(spec.block_ids)
             self._load_errors |= self._failed_this_step
             return
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.config.load_timeout_s
-        for i, spec in enumerate(meta.loads):
+        for i, spec in enumerate(loads):
             left = deadline - time.monotonic()
             if left <= 0:  # past the step's deadline: the rest are recomputed, not waited on
-                late = [b for s in meta.loads[i:] for b in s.block_ids]
+                late = [b for s in loads[i:] for b in s.block_ids]
                 log.warning("step load deadline (%.1fs) passed: %d blocks of %d requests will be recomputed",
-                            self.config.load_timeout_s, len(late), len(meta.loads) - i)
+                            self.config.load_timeout_s, len(late), len(loads) - i)
                 self._failed_this_step.update(late)
                 break
             res = self.store.load(self.layout, spec.block_ids, self.keys_of(spec.token_hashes), timeout=left)
@@ -169,6 +215,8 @@ class WorkerRole:
         return errors
 
     def shutdown(self) -> None:
+        # Restores end by their deadline; none may run into a closed store or freed engine memory.
+        self._onboard.close(self.config.load_timeout_s + 1.0)
         unregister_local(self.engine_key)
         if self._server is not None:
             self._server.close()
