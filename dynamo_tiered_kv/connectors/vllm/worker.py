@@ -134,8 +134,9 @@ class WorkerRole:
         if len(self.served) > _SERVED_HISTORY:
             self.served.popitem(last=False)
         self.load_seconds += r.load_s
-        if self.store is not None:  # the engine-facing stages of a restore
-            h = self.store.metrics.restore_stage_seconds
+        m = getattr(self.store, "metrics", None)
+        if m is not None:  # the engine-facing stages of a restore (the store observes the rest)
+            h = m.restore_stage_seconds
             h.labels("queue", "all").observe(r.queued_s)
             h.labels("engine_wait", "all").observe(r.engine_wait_s)
 
