@@ -22,7 +22,7 @@ import yaml
 
 pytest.importorskip("vllm")
 
-from test_examples import kv_transfer_configs  # noqa: E402
+from test_examples import kv_transfer_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "dynamo-tiered-kv"

@@ -21,8 +21,10 @@ import yaml
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "nvidia.com_dynamographdeployments.v1beta1.yaml"
 K8S = "v1.35.0-local-strict"
-SOURCE = "ai-dynamo/dynamo deploy/operator/config/crd/bases/nvidia.com_dynamographdeployments.yaml @ 01cc1c3b677b20c5dd72d9eb76962dc04b55b8be"
-QUANTITY = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+SOURCE = ("ai-dynamo/dynamo deploy/operator/config/crd/bases/nvidia.com_dynamographdeployments.yaml"
+          " @ 01cc1c3b677b20c5dd72d9eb76962dc04b55b8be")
+QUANTITY = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+            r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 DNS_LABEL = r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$"
 STR = {"type": "string"}
 STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
@@ -135,11 +137,7 @@ def _crd_form(schema: Any, defs: dict[str, Any]) -> Any:
             continue
         if k == "type" and isinstance(v, list):
             v = next(t for t in v if t != "null")
-        if k == "properties":
-            v = {name: _crd_form(p, defs) for name, p in v.items()}
-        else:
-            v = _crd_form(v, defs)
-        out[k] = v
+        out[k] = {name: _crd_form(p, defs) for name, p in v.items()} if k == "properties" else _crd_form(v, defs)
     return out
 
 
