@@ -3,14 +3,17 @@
 Sources, highest priority first: explicit keyword arguments / a mapping (vLLM's
 ``kv_connector_extra_config``), environment variables ``DYN_TIERED_KV_<FIELD>``, a YAML file
 (``DYN_TIERED_KV_CONFIG_FILE`` or ``TieredKVConfig.from_yaml``), then the defaults below.
-Unknown keys are rejected, every error names its field, secrets never appear in ``repr``.
-Parse once, at start; nothing deeper in the code reads raw dicts.
+One rule for every source: an unknown name (keyword, ``DYN_TIERED_KV_*`` variable, YAML key) is
+refused with a ``ConfigError`` naming it and the closest known name; every error names its field
+and fits on one line; secrets never appear in ``repr``. Parse once, at start; nothing deeper in
+the code reads raw dicts.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
@@ -58,14 +61,18 @@ class TieredKVConfig(BaseSettings):
     object_ttl_s: float = Field(14 * 24 * 3600.0, gt=0, description="object retention (days to weeks)")
     object_capacity_bytes: int = Field(100 * 1024 * GiB, gt=0, description="bound on live object bytes")
     object_refresh_s: float | None = Field(30.0, gt=0, description="re-list manifests to see other nodes' blocks")
-    s3_endpoint_url: str | None = None
-    s3_region: str | None = Field(None, description="None: DTKV_S3_REGION, AWS_REGION, else us-east-1")
-    s3_access_key: SecretStr | None = None
-    s3_secret_key: SecretStr | None = None
-    s3_verify_tls: bool = True
-    s3_addressing_style: Literal["path", "virtual", "auto"] = "path"
-    s3_part_bytes: int = Field(8 * MiB, ge=5 * MiB)
-    s3_max_concurrency: int = Field(8, ge=1, le=256)
+    s3_endpoint_url: str | None = Field(
+        None, description="S3 server, e.g. http://rgw:7480; None: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, else AWS"
+    )
+    s3_region: str | None = Field(None, description="signing region; None: AWS_REGION, else us-east-1")
+    s3_access_key: SecretStr | None = Field(None, description="with s3_secret_key; None: the AWS credential chain")
+    s3_secret_key: SecretStr | None = Field(None, description="with s3_access_key; None: the AWS credential chain")
+    s3_verify_tls: bool = Field(True, description="check the S3 server's TLS certificate")
+    s3_addressing_style: Literal["path", "virtual", "auto"] = Field(
+        "path", description="path (RGW, MinIO by IP) or virtual-hosted bucket names"
+    )
+    s3_part_bytes: int = Field(8 * MiB, ge=5 * MiB, description="multipart upload part size")
+    s3_max_concurrency: int = Field(8, ge=1, le=256, description="parts in flight per upload")
     flush_queue_segments: int = Field(16, ge=1, description="bounded flusher queue")
 
     # --- staging, admission, engine-facing -----------------------------------------------------
@@ -113,15 +120,24 @@ class TieredKVConfig(BaseSettings):
     ):
         return init_settings, env_settings, _YamlSource(settings_cls)
 
-    # --- constructors that turn every failure into a ConfigError naming the field --------------
+    # --- every way in turns a failure into one ConfigError line naming the field ---------------
+    def __init__(self, **values: Any) -> None:
+        # checked before pydantic runs: its own message for these is a multi-line ValidationError
+        problems = unknown_names(
+            (k for k in values if not k.startswith("_")), sorted(type(self).model_fields), what="setting"
+        )
+        problems += _unknown_env()
+        if problems:
+            raise ConfigError("invalid dynamo-tiered-kv config: " + "; ".join(problems))
+        try:
+            super().__init__(**values)
+        except ValidationError as e:
+            raise ConfigError(_describe(e)) from None
+
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None = None) -> TieredKVConfig:
         """Build from a dict (e.g. ``kv_connector_extra_config``), env vars and the YAML file."""
-        _reject_unknown_env()
-        try:
-            return cls(**dict(data or {}))
-        except ValidationError as e:
-            raise ConfigError(_describe(e)) from None
+        return cls(**dict(data or {}))
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], **overrides: Any) -> TieredKVConfig:
@@ -145,23 +161,37 @@ class _YamlSource(PydanticBaseSettingsSource):
 
     def __call__(self) -> dict[str, Any]:
         path = _yaml_file.get() or os.environ.get(ENV_CONFIG_FILE)
-        return _read_yaml(Path(path)) if path else {}
+        return read_yaml(Path(path)) if path else {}
 
 
-def _reject_unknown_env() -> None:
-    known = {ENV_PREFIX + f.upper() for f in TieredKVConfig.model_fields} | {ENV_CONFIG_FILE}
-    unknown = sorted(k for k in os.environ if k.startswith(ENV_PREFIX) and k not in known)
-    if unknown:
-        raise ConfigError(f"unknown environment setting(s): {', '.join(unknown)}")
+def unknown_names(names: Iterable[str], known: Sequence[str], *, what: str, where: str = "") -> list[str]:
+    """One ``"NAME: unknown WHAT[ in WHERE] (did you mean X?)"`` per name not in ``known``."""
+    known_set = set(known)
+    out = []
+    for name in sorted(set(names) - known_set):
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        out.append(f"{name}: unknown {what}{' in ' + where if where else ''}{hint}")
+    return out
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def _unknown_env() -> list[str]:
+    known = [ENV_PREFIX + f.upper() for f in TieredKVConfig.model_fields] + [ENV_CONFIG_FILE]
+    return unknown_names((k for k in os.environ if k.startswith(ENV_PREFIX)), known, what="environment setting")
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """The settings in a YAML file; unknown keys are refused here, naming the file."""
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"cannot read config file {path}: {e}") from None
+        msg = " ".join(str(e).split())  # YAML errors span lines; an error here is one line
+        raise ConfigError(f"cannot read config file {path}: {msg}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at top level")
+    problems = unknown_names(map(str, data), sorted(TieredKVConfig.model_fields), what="setting", where=str(path))
+    if problems:
+        raise ConfigError("invalid dynamo-tiered-kv config: " + "; ".join(problems))
     return data
 
 
@@ -170,5 +200,5 @@ def _describe(e: ValidationError) -> str:
     for err in e.errors():
         field = ".".join(str(x) for x in err["loc"]) or "<config>"
         msg = err["msg"] if err["type"] != "extra_forbidden" else "unknown setting"
-        parts.append(f"{field}: {msg}")
+        parts.append(f"{field}: {' '.join(str(msg).split())}")
     return "invalid dynamo-tiered-kv config: " + "; ".join(parts)

@@ -66,3 +66,44 @@ def test_bad_yaml(tmp_path: Path) -> None:
     f.write_text("unknown_field: 1\n")
     with pytest.raises(ConfigError, match="unknown_field"):
         TieredKVConfig.from_yaml(f)
+
+
+# --- one rule for unknown names, from every source: refused, named, with the closest match ------
+def test_typo_in_kwargs_is_a_config_error_with_suggestion() -> None:
+    with pytest.raises(ConfigError, match=r"ssd_dirr: unknown setting \(did you mean ssd_dir\?\)"):
+        TieredKVConfig(ssd_dirr="/tmp")  # type: ignore[call-arg]
+    with pytest.raises(ConfigError, match=r"ssd_dirr: unknown setting \(did you mean ssd_dir\?\)"):
+        TieredKVConfig.from_mapping({"ssd_dirr": "/tmp"})
+
+
+def test_bad_value_in_kwargs_is_one_line_config_error() -> None:
+    with pytest.raises(ConfigError) as e:
+        TieredKVConfig(staging_slabs=0)
+    assert "staging_slabs" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_typo_in_env_refused_by_plain_constructor(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYN_TIERED_KV_SSD_DIRR", "/x")
+    with pytest.raises(ConfigError, match=r"DYN_TIERED_KV_SSD_DIRR: .*did you mean DYN_TIERED_KV_SSD_DIR\?"):
+        TieredKVConfig()
+
+
+def test_typo_in_yaml_names_file_and_suggests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("host_capacity_byte: 0\n")
+    with pytest.raises(ConfigError, match=rf"host_capacity_byte: unknown setting in {f} .*host_capacity_bytes\?"):
+        TieredKVConfig.from_yaml(f)
+    monkeypatch.setenv("DYN_TIERED_KV_CONFIG_FILE", str(f))
+    with pytest.raises(ConfigError, match="did you mean host_capacity_bytes"):
+        TieredKVConfig()
+
+
+def test_unknown_without_close_match_has_no_suggestion() -> None:
+    with pytest.raises(ConfigError) as e:
+        TieredKVConfig.from_mapping({"zzzz": 1})
+    assert "zzzz: unknown setting" in str(e.value) and "did you mean" not in str(e.value)
+
+
+def test_every_field_kept() -> None:
+    c = TieredKVConfig.from_mapping({"load_async": False, "host_capacity_bytes": 0})
+    assert c.load_async is False and c.host_capacity_bytes == 0

@@ -1,9 +1,10 @@
 """``dtkv fsck TARGET``: verify every stored record; exit 1 and name what is corrupt.
 
-TARGET is an SSD tier directory (its root or one ``rank-*`` directory). A URL target
-(``s3://bucket/prefix``, ``file://...``) is handed to the object tier's checker,
-``dynamo_tiered_kv.tiers.objectstore.fsck:fsck_objects(target, as_json=...) -> int``, when that
-module exists. Exit codes: 0 clean (warnings allowed), 1 corruption found, 2 cannot check.
+TARGET is an SSD tier directory (its root or one ``rank-*`` directory) or an object-tier URL
+(``s3://bucket/prefix``, ``file://...``), checked by ``tiers.objectstore.fsck.fsck_backend``;
+without TARGET, the ``object_url`` setting, else ``ssd_dir``. S3 endpoint and credentials are the
+connector's settings (flags, ``DYN_TIERED_KV_*`` env vars, ``--config`` / ``DYN_TIERED_KV_CONFIG_FILE``).
+Exit codes: 0 clean (warnings allowed), 1 corruption found, 2 cannot check.
 For SSD directories only a torn tail of a rank's newest segment is a warning; damage anywhere
 else, including a truncated older segment, is corruption (rules: docs/SSD.md section 4).
 """
@@ -11,29 +12,43 @@ else, including a truncated older segment, is corruption (rules: docs/SSD.md sec
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
+import asyncio
 import json
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .. import settings_cli
+from ..errors import TierUnavailable
+
+if TYPE_CHECKING:
+    from ..tiers.objectstore.fsck import FsckReport
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fsck", help="verify every record of an SSD tier directory (or an object-tier URL)")
-    p.add_argument("target", help="SSD tier directory, or an object-tier URL such as s3://bucket/prefix")
+    p.add_argument("target", nargs="?", help="SSD tier directory, or an object-tier URL such as s3://bucket/prefix "
+                   "(default: the object_url setting, else ssd_dir)")
     p.add_argument("--json", action="store_true", help="print one JSON report")
+    settings_cli.add_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if _URL.match(args.target):
-        return _fsck_url(args.target, args.json)
+    settings = settings_cli.load(args)
+    target = args.target or settings.config.object_url or settings.config.ssd_dir
+    if not target:
+        print("dtkv fsck: give TARGET (or set object_url or ssd_dir)", file=sys.stderr)
+        return 2
+    target = str(target)
+    if _URL.match(target):
+        return _fsck_url(target, settings, args.json)
     from ..tiers.ssd.fsck import fsck_dir
 
-    path = Path(args.target)
+    path = Path(target)
     if not path.is_dir():
         print(f"dtkv fsck: {path} is not a directory", file=sys.stderr)
         return 2
@@ -55,12 +70,34 @@ def run(args: argparse.Namespace) -> int:
     return 1 if report.corrupt else 0
 
 
-def _fsck_url(target: str, as_json: bool) -> int:
+def _fsck_url(target: str, settings: settings_cli.Settings, as_json: bool) -> int:
+    from ..tiers.objectstore import backend_from_url
+    from ..tiers.objectstore.fsck import fsck_backend
+
+    async def go() -> FsckReport:
+        backend = backend_from_url(target, **settings.s3_kwargs())
+        await backend.open()
+        try:
+            return await fsck_backend(backend)
+        finally:
+            await backend.close()
+
     try:
-        mod = importlib.import_module("dynamo_tiered_kv.tiers.objectstore.fsck")
-        fn = mod.fsck_objects
-    except (ImportError, AttributeError):
-        print(f"dtkv fsck: no object-tier checker is installed for {target}", file=sys.stderr)
+        rep = asyncio.run(go())
+    except (TierUnavailable, OSError) as e:
+        print(f"dtkv fsck: {settings_cli.describe_s3_failure(target, settings, e)}", file=sys.stderr)
         return 2
-    kwargs = {"as_json": as_json} if "as_json" in inspect.signature(fn).parameters else {}
-    return int(fn(target, **kwargs))
+    if as_json:
+        print(json.dumps(rep.to_dict(), indent=2))
+        return 1 if rep.problems else 0
+    print(f"{target}: {rep.manifests} manifests, {rep.data_objects} data objects, {rep.records_ok} records "
+          f"verified ({rep.bytes_verified / 2**20:.1f} MiB), {len(rep.orphans)} orphans")
+    for o in rep.orphans:
+        print(f"warning: orphan data object {o} (dtkv gc removes it after the grace period)")
+    for q in rep.quarantined:
+        print(f"warning: quarantined {q} (dtkv gc re-verifies and resolves it)")
+    for p in rep.problems:
+        where = p.object + (f" @ offset {p.offset}" if p.offset is not None else "")
+        print(f"CORRUPT: {where}{' key ' + p.key if p.key else ''}: {p.error}")
+    print(f"{len(rep.problems)} problems" if rep.problems else "clean")
+    return 1 if rep.problems else 0

@@ -2,6 +2,8 @@
 
 Deletes manifests older than ``--ttl``; data objects no manifest references are tombstoned and
 deleted by a later run once ``--grace`` has passed (readers that listed earlier keep working).
+Settings (endpoint, credentials, ``object_url``, ``object_ttl_s``) are the connector's: flags,
+``DYN_TIERED_KV_*`` env vars, ``--config`` / ``DYN_TIERED_KV_CONFIG_FILE``.
 Exit codes: 0 done, 1 some deletes failed, 2 cannot reach the store.
 """
 
@@ -14,6 +16,8 @@ import re
 import sys
 from typing import TYPE_CHECKING
 
+from .. import settings_cli
+from ..config import TieredKVConfig
 from ..errors import TierUnavailable
 
 if TYPE_CHECKING:
@@ -30,17 +34,25 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * _UNITS.get(m.group(2) or "s", 1)
 
 
+class _DefaultTTL(float):
+    """``--ttl`` not given: use the ``object_ttl_s`` setting (equal to its default, for callers
+    that compare the parsed value with the config's default)."""
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gc", help="garbage-collect an object store: expire old manifests, delete orphan data")
-    p.add_argument("target", help="s3://bucket/prefix or file:///dir (S3 endpoint/credentials from DTKV_S3_*)")
-    p.add_argument("--ttl", type=parse_duration, default=parse_duration("14d"),
-                   help="manifest lifetime (default 14d)")
+    p.add_argument("target", nargs="?",
+                   help="s3://bucket/prefix or file:///dir (default: the object_url setting)")
+    default_ttl = _DefaultTTL(TieredKVConfig.model_fields["object_ttl_s"].default)
+    p.add_argument("--ttl", type=parse_duration, default=default_ttl,
+                   help="manifest lifetime, e.g. 14d (default: the object_ttl_s setting)")
     p.add_argument("--no-ttl", action="store_true", help="expire nothing; only collect orphans")
     p.add_argument("--grace", type=parse_duration, default=parse_duration("1h"),
                    help="how long unreferenced data stays readable before deletion (default 1h)")
-    p.add_argument("--endpoint", help="S3 endpoint URL (overrides DTKV_S3_ENDPOINT)")
+    p.add_argument("--endpoint", help="deprecated spelling of --s3-endpoint-url")
     p.add_argument("--dry-run", action="store_true", help="report, change nothing")
     p.add_argument("--json", action="store_true", help="print one JSON report")
+    settings_cli.add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -48,29 +60,34 @@ def run(args: argparse.Namespace) -> int:
     from ..tiers.objectstore import backend_from_url, is_object_url
     from ..tiers.objectstore.gc import gc_objects
 
-    if not is_object_url(args.target):
-        print("dtkv gc: TARGET must be s3://bucket/prefix or file:///dir", file=sys.stderr)
+    if args.endpoint and not args.s3_endpoint_url:
+        args.s3_endpoint_url = args.endpoint
+    settings = settings_cli.load(args)
+    target = args.target or settings.config.object_url
+    if not target or not is_object_url(target):
+        print("dtkv gc: TARGET must be s3://bucket/prefix or file:///dir (or set object_url)", file=sys.stderr)
         return 2
+    ttl = settings.config.object_ttl_s if isinstance(args.ttl, _DefaultTTL) else args.ttl
 
     async def go() -> GcReport:
-        backend = backend_from_url(args.target, endpoint_url=args.endpoint)
+        backend = backend_from_url(target, **settings.s3_kwargs())
         await backend.open()
         try:
-            return await gc_objects(backend, ttl_s=None if args.no_ttl else args.ttl, grace_s=args.grace,
+            return await gc_objects(backend, ttl_s=None if args.no_ttl else ttl, grace_s=args.grace,
                                     dry_run=args.dry_run)
         finally:
             await backend.close()
 
     try:
         rep = asyncio.run(go())
-    except (TierUnavailable, ValueError) as e:
-        print(f"dtkv gc: cannot reach {args.target}: {e}", file=sys.stderr)
+    except (TierUnavailable, OSError) as e:
+        print(f"dtkv gc: {settings_cli.describe_s3_failure(target, settings, e)}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(rep.to_dict(), indent=2))
     else:
         verb = "would delete" if args.dry_run else "deleted"
-        print(f"{args.target}: {rep.manifests} manifests ({rep.expired_manifests} expired, {rep.bad_manifests} "
+        print(f"{target}: {rep.manifests} manifests ({rep.expired_manifests} expired, {rep.bad_manifests} "
               f"unreadable), {rep.data_objects} data objects; {verb} {rep.deleted_data} "
               f"({rep.deleted_bytes / 2**20:.1f} MiB), {rep.tombstoned} entered grace, "
               f"{rep.aborted_uploads} stale uploads aborted, quarantine: {rep.quarantine_cleared} cleared, "
