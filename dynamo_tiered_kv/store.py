@@ -469,6 +469,24 @@ class TieredStore(ChunkReads):
         except Exception as e:
             log.warning("could not delete corrupt block %s from tier %s: %s", key.hex(), self.tiers[ti].name, e)
 
+    def suspend_device(self, timeout: float = 30.0) -> bool:
+        """Before GPU sleep: finish accepted offloads (they may read device slabs), then deregister
+        device memory from every GPU-direct tier. True if every offload finished in ``timeout``.
+        The engine does not step while asleep, so nothing new arrives until ``resume_device``."""
+        drained = self.drain(timeout)
+        for tier in self.tiers:
+            dio = getattr(tier, "device_io", None)
+            if dio is not None:
+                dio.suspend()
+        return drained
+
+    def resume_device(self) -> None:
+        """After wake-up: register the device memory ``suspend_device`` deregistered."""
+        for tier in self.tiers:
+            dio = getattr(tier, "device_io", None)
+            if dio is not None:
+                dio.resume()
+
     def drop_local(self) -> None:
         """Forget every block of this node's own tiers (host, SSD) in the background.
 

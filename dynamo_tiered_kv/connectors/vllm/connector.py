@@ -81,6 +81,21 @@ class TieredKVConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM >= 0.33: yes. Sleep quiesces restores and offloads and deregisters GPU-direct
+        memory (``unregister_kv_caches``); wake-up registers it again (``restore_kv_caches``).
+        Stored KV stays valid across sleep: it is named by content and model identity."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.restore_kv_caches()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
         self._worker.start_load_kv(self._meta())

@@ -151,6 +151,14 @@ class Onboarder:
         with self._lock:
             return len(self._jobs)
 
+    def quiesce(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every submitted restore to end (before the engine's KV
+        memory is released for sleep); True if none is left running. Results stay to be polled."""
+        with self._lock:
+            futures = [j.future for jobs in self._jobs.values() for j in jobs if j.future is not None]
+        _, pending = wait(futures, timeout=timeout_s)
+        return not pending
+
     def close(self, timeout_s: float) -> bool:
         """Skip queued restores and wait up to ``timeout_s`` for running ones (they end by their
         deadline); True if none is left running."""

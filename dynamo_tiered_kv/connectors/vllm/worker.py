@@ -56,6 +56,7 @@ class WorkerRole:
         #: wall seconds spent in loads and in save submissions (the demo reports these)
         self.load_seconds = 0.0
         self.save_seconds = 0.0
+        self._asleep = False  # between unregister_kv_caches and restore_kv_caches (vLLM sleep mode)
         self._onboard = Onboarder(self._restore, config.load_timeout_s)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -214,6 +215,26 @@ class WorkerRole:
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM sleep mode: the engine's KV memory is about to be released. Every restore that may
+        still write into it ends first (by its deadline at the latest), accepted offloads finish,
+        and GPU-direct memory registrations are dropped. Idempotent."""
+        if self._asleep:
+            return
+        self._asleep = True
+        if not self._onboard.quiesce(self.config.load_timeout_s + 1.0):
+            log.warning("sleep: a restore is still running after its deadline; its blocks are reported failed")
+        if self.store is not None and not self.store.suspend_device(self.config.load_timeout_s):
+            log.warning("sleep: offloads still queued after %.0fs", self.config.load_timeout_s)
+
+    def restore_kv_caches(self) -> None:
+        """vLLM wake-up: the KV memory is back at the same addresses; register it again. Idempotent."""
+        if not self._asleep:
+            return
+        if self.store is not None:
+            self.store.resume_device()
+        self._asleep = False
 
     def shutdown(self) -> None:
         # Restores end by their deadline; none may run into a closed store or freed engine memory.

@@ -54,6 +54,8 @@ class DeviceIO:
         self._ag.create_backend(backend, params)
         self._lock = threading.Lock()
         self._slabs: dict[int, object] = {}  # slab address -> registration
+        self._descs: dict[int, tuple[int, int, int, str]] = {}  # slab address -> NIXL descriptor
+        self._suspended: dict[int, tuple[int, int, int, str] | None] = {}  # deregistered for sleep
         self._mem_type: str | None = None
         self._device: torch.device | None = None
         self._files: dict[int, object] = {}  # fd -> registration
@@ -68,8 +70,9 @@ class DeviceIO:
                     raise ValueError("all slabs of one DeviceIO must be of one memory type")
                 self._mem_type = s.mem_type
                 self._device = s.tensor.device
-                self._slabs[s.address] = self._ag.register_memory([(s.address, s.nbytes, s.device_id, "")],
-                                                                  s.mem_type)
+                desc = (s.address, s.nbytes, s.device_id, "")
+                self._descs[s.address] = desc
+                self._slabs[s.address] = self._ag.register_memory([desc], s.mem_type)
 
     def _file(self, fd: int) -> None:
         if fd not in self._files:
@@ -116,6 +119,29 @@ class DeviceIO:
         except Exception as e:  # nixlBackendError and friends carry no errno
             raise OSError(errno.EIO, f"NIXL {self.backend} {op} failed: {type(e).__name__}: {e}") from e
 
+    def suspend(self) -> None:
+        """Deregister every device slab (GPU sleep: the memory behind them may be unmapped).
+
+        The slabs' descriptors are kept, so ``resume`` registers the same addresses again (vLLM's
+        sleep allocator maps memory back at the same virtual addresses). Transfers from a
+        suspended slab fail with "never registered", which the SSD tier turns into a miss."""
+        with self._lock:
+            for addr, reg in list(self._slabs.items()):
+                try:
+                    self._ag.deregister_memory(reg)
+                except Exception as e:
+                    log.warning("NIXL deregistration of device slab %#x before sleep failed: %s", addr, e)
+                self._suspended[addr] = self._descs.get(addr)
+            self._slabs.clear()
+
+    def resume(self) -> None:
+        """Register again what ``suspend`` deregistered."""
+        with self._lock:
+            for addr, desc in list(self._suspended.items()):
+                if desc is not None:
+                    self._slabs[addr] = self._ag.register_memory([desc], self._mem_type)
+            self._suspended.clear()
+
     def self_test(self, directory: Path) -> None:
         """Write 4 KiB from device memory to a file in ``directory`` and read it back through this
         path; raise ``OSError`` unless the bytes match. The start-up check behind "never a hang,
@@ -141,6 +167,7 @@ class DeviceIO:
             os.close(fd)
             path.unlink(missing_ok=True)
             with self._lock:
+                self._descs.pop(probe.address, None)
                 reg = self._slabs.pop(probe.address, None)
                 if reg is not None:
                     self._ag.deregister_memory(reg)
