@@ -37,7 +37,7 @@ from .tiers.base import ReadRequest, Tier
 
 log = logging.getLogger("dynamo_tiered_kv.store")  # same logger as before the split: log filters keep working
 
-MIN_PIECE_BYTES = 1 << 20  # smaller concurrent reads cost more in requests than they gain in overlap
+MIN_PIECE_BYTES = 4 << 20  # smaller concurrent reads cost more per request than they gain (S3: 1 MiB ran 4x slower)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+import dynamo_tiered_kv.store_reads as sr
 from dynamo_tiered_kv.errors import TierFull, TierUnavailable
 from dynamo_tiered_kv.keys import parents_of
 from dynamo_tiered_kv.staging import StagingPool
@@ -65,8 +66,6 @@ def _filled(tiers, pool, n, **kw):
 
 
 def test_pieces_keep_order_and_stages_are_reported(pool: StagingPool, monkeypatch) -> None:
-    import dynamo_tiered_kv.store_reads as sr
-
     monkeypatch.setattr(sr, "MIN_PIECE_BYTES", REC)  # tiny records: let every run split
     ssd = PieceTier("ssd", 64 * REC)
     store, src, keys = _filled([ssd], pool, 24, load_chunk_bytes=8 * REC, load_first_chunk_bytes=2 * REC)
@@ -88,8 +87,6 @@ def test_pieces_keep_order_and_stages_are_reported(pool: StagingPool, monkeypatc
 
 
 def test_failed_piece_fails_from_its_first_block_on_and_frees_slabs(pool: StagingPool, monkeypatch) -> None:
-    import dynamo_tiered_kv.store_reads as sr
-
     monkeypatch.setattr(sr, "MIN_PIECE_BYTES", REC)
     ssd = PieceTier("ssd", 64 * REC)
     store, _, keys = _filled([ssd], pool, 24, load_chunk_bytes=8 * REC, load_first_chunk_bytes=2 * REC)
@@ -205,8 +202,9 @@ def test_host_chunk_leaving_between_plan_and_decode_is_read_from_the_next_tier(p
 
 
 def test_split_and_union_helpers() -> None:
-    assert _split(0, 10, 1 << 20, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)]
-    assert _split(3, 4, 1 << 20, 8) == [(3, 4)]
+    big = sr.MIN_PIECE_BYTES
+    assert _split(0, 10, big, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    assert _split(3, 4, big, 8) == [(3, 4)]
     assert _split(0, 10, 1024, 8) == [(0, 10)]  # pieces below MIN_PIECE_BYTES are not worth it
     assert _union([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == pytest.approx(3.0)
     assert NS is not None

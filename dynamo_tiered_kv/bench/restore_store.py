@@ -63,6 +63,17 @@ def _layout(shape: str, n: int) -> tuple[EngineLayout, Namespace, list[bytes]]:
     return EngineLayout(kind, ts, 16, heads, hs), ns, chain_keys(ns, np.arange(n * 16) % 50000)
 
 
+BUCKET = os.environ.get("DTKV_S3_BUCKET", "dtkv-bench")
+
+
+async def _make_bucket(endpoint: str) -> None:
+    from ..tiers.objectstore.s3 import S3Backend
+
+    b = S3Backend(BUCKET, "", endpoint_url=endpoint, create_bucket=True)
+    await b.open()
+    await b.close()
+
+
 def _files(d: str) -> list[str]:
     return sorted(p for p in glob.glob(f"{d}/**/*", recursive=True)
                   if os.path.isfile(p) and os.path.getsize(p) >= 1 << 20)
@@ -134,15 +145,14 @@ def _bench_tier(tier: str, args: argparse.Namespace, root: str) -> dict:
             cfg["object_url"] = f"file://{d}/objects"
         else:
             endpoint = args.s3_endpoint
-            if not endpoint:
-                from moto.server import ThreadedMotoServer
+            if not endpoint:  # a moto server in its own process (not sharing this one's GIL)
+                from .s3 import _start_moto
 
-                server = ThreadedMotoServer(port=0, verbose=False)
-                server.start()
-                endpoint = f"http://127.0.0.1:{server._server.server_port}"  # type: ignore[union-attr]
+                server, endpoint = _start_moto()
                 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
                 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-            cfg.update(object_url=f"s3://dtkv-bench/restore-{os.getpid()}", s3_endpoint_url=endpoint,
+            asyncio.run(_make_bucket(endpoint))
+            cfg.update(object_url=f"s3://{BUCKET}/restore-{os.getpid()}", s3_endpoint_url=endpoint,
                        s3_max_concurrency=args.s3_concurrency)
     _progress(f"{tier}: writing {n} blocks ({nbytes / (1 << 20):.0f} MiB)")
     store = build_store(TieredKVConfig.from_mapping(cfg), ns)
@@ -154,7 +164,8 @@ def _bench_tier(tier: str, args: argparse.Namespace, root: str) -> dict:
             store.close()
             cfg.pop("ssd_dir")
             store = build_store(TieredKVConfig.from_mapping(cfg), ns)
-        assert store.lookup(keys).num_blocks == n, "not every block is restorable"
+        found = store.lookup(keys).num_blocks
+        assert found == n, f"{tier}: only {found} of {n} blocks are restorable"
         raw = _raw_for(tier, store, d, nbytes, args)
 
         def load() -> object:
@@ -166,7 +177,8 @@ def _bench_tier(tier: str, args: argparse.Namespace, root: str) -> dict:
     finally:
         store.close()
         if server is not None:
-            server.stop()
+            server.terminate()
+            server.wait(10)
         shutil.rmtree(d, ignore_errors=True)
 
 
