@@ -85,10 +85,11 @@ class Session:
         from vllm import LLM, SamplingParams
 
         kv = _kv_transfer(spec)
+        args: dict[str, Any] = {"max_num_seqs": 4, "max_num_batched_tokens": spec["max_model_len"],
+                                **spec.get("engine_args", {})}  # engine_args: overrides (bench restore)
         self.llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=spec["max_model_len"],
                        enforce_eager=True, seed=0, block_size=spec["block_size"], enable_prefix_caching=True,
-                       max_num_seqs=4, max_num_batched_tokens=spec["max_model_len"],
-                       num_gpu_blocks_override=spec["gpu_blocks"],
+                       num_gpu_blocks_override=spec["gpu_blocks"], **args,
                        **({"kv_transfer_config": kv} if kv else {}))
         self.block_size = spec["block_size"]
         self.first = SamplingParams(max_tokens=1, temperature=0)

@@ -29,13 +29,15 @@ def kv_bytes_per_token(spec: TinyModelSpec = BENCH_SPEC) -> int:
 
 
 def model_desc(spec: TinyModelSpec = BENCH_SPEC) -> str:
-    return (f"random-weight Llama, {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, MLP "
+    arch = "Qwen2 (q/k/v bias)" if spec.architecture == "qwen2" else "Llama"
+    return (f"random-weight {arch}, {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, MLP "
             f"{spec.intermediate_size}, {spec.num_attention_heads} query / {spec.num_key_value_heads} KV heads "
             f"x {spec.head_dim}, vocab {spec.vocab_size}, bf16; KV {kv_bytes_per_token(spec)} B/token")
 
 
-def run_session(spec: dict[str, Any], work: Path, name: str, bar: Any | None, offset: int) -> dict[str, Any]:
-    """Run one engine session (see ``_agentic_engine``) in a fresh process; progress feeds ``bar``.
+def run_session(spec: dict[str, Any], work: Path, name: str, bar: Any | None, offset: int,
+                module: str = "dynamo_tiered_kv.bench._agentic_engine") -> dict[str, Any]:
+    """Run one engine session (``module``, default ``_agentic_engine``) in a fresh process; progress feeds ``bar``.
 
     Raises:
         RuntimeError: the session failed; the message carries the tail of its output.
@@ -47,7 +49,7 @@ def run_session(spec: dict[str, Any], work: Path, name: str, bar: Any | None, of
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
            "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    cmd = [sys.executable, "-m", "dynamo_tiered_kv.bench._agentic_engine", str(spec_path), str(out_path)]
+    cmd = [sys.executable, "-m", module, str(spec_path), str(out_path)]
     tail: collections.deque[str] = collections.deque(maxlen=60)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)

@@ -1,0 +1,153 @@
+"""One engine session of ``dtkv bench restore``, run in its own process.
+
+``python -m dynamo_tiered_kv.bench._restore_engine SPEC.json OUT.json``. SPEC: the keys of
+``_agentic_engine.Session`` plus
+
+* ``long``, ``short``: prompts (token ids); ``store_first``: compute both once first (with the
+  connector: they are stored), recorded under ``store``;
+* ``rounds``: measured rounds, after one unmeasured round (``warm``); each round measures
+  ``long`` and ``short`` (order alternating), the engine's prefix cache emptied before each, and
+  ``evict`` directories dropped from the page cache before each request (cold files);
+* ``raw``: ceiling measured once per round, between the requests: ``"memcpy"`` (the bytes the long
+  restore read), ``"odirect"`` (O_DIRECT ``preadv`` of the long prompt's records in tier
+  ``raw_tier``), ``"s3"`` (ranged GETs of them from ``s3_endpoint`` / ``s3_bucket``), or null;
+  ``raw_chunk_bytes``, ``raw_depth``: request size and requests in flight;
+* ``persist``: at the end, seal the SSD segment and write it back to the object tier.
+
+Per dtkv request the store's ``LoadResult.stages`` (when the store reports them) are recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import _restore_raw as raw
+from ._agentic_engine import Session, _progress
+
+
+class LoadTap:
+    """Wraps ``store.load`` of one store instance: the keys and stage timings of each call."""
+
+    def __init__(self, store: Any) -> None:
+        self.calls: list[dict[str, Any]] = []
+        orig = store.load
+
+        def load(layout: Any, block_ids: Any, keys: Any, *a: Any, **kw: Any) -> Any:
+            res = orig(layout, block_ids, keys, *a, **kw)
+            st = getattr(res, "stages", None)
+            self.calls.append({"keys": list(keys), "tiers": list(getattr(res, "tier_per_block", [])),
+                               "stages": dataclasses.asdict(st) if dataclasses.is_dataclass(st) else None})
+            return res
+
+        store.load = load
+
+    def take(self) -> list[dict[str, Any]]:
+        out, self.calls = self.calls, []
+        return out
+
+
+def evict(dirs: list[str]) -> None:
+    from .tiers import _evict_page_cache
+
+    for d in dirs:
+        if Path(d).exists():
+            _evict_page_cache(Path(d))
+
+
+def stage_sums(calls: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """One request's stages summed over its load calls (None when the store reports none)."""
+    st = [c["stages"] for c in calls if c["stages"]]
+    if not st:
+        return None
+    out: dict[str, Any] = {"wait_s": 0.0, "decode_s": 0.0, "total_s": 0.0, "chunks": 0, "read_s": {}, "read_bytes": {}}
+    for s in st:
+        for k in ("wait_s", "decode_s", "total_s", "chunks"):
+            out[k] += s.get(k, 0)
+        for k in ("read_s", "read_bytes"):
+            for t, v in s.get(k, {}).items():
+                out[k][t] = out[k].get(t, 0) + v
+    return out
+
+
+def _measure(s: Session, tap: LoadTap | None, prompt: list[int], spec: dict[str, Any]) -> dict[str, Any]:
+    evict(spec.get("evict", []))
+    rec = s.measure(prompt, reset=True)
+    if tap is not None:
+        calls = tap.take()
+        rec["stages"] = stage_sums(calls)
+        rec["_keys"] = [k for c in calls for k in c["keys"]]
+    return rec
+
+
+def main(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    t = time.perf_counter()
+    s = Session(spec)
+    res: dict[str, Any] = {"engine_start_s": time.perf_counter() - t, "rounds": [], "raw": []}
+    tap = LoadTap(s.store) if s.store is not None else None
+    prompts = {"long": spec["long"], "short": spec["short"]}
+    done = 0
+    if spec.get("store_first"):
+        res["store"] = {k: s.measure(p, reset=True) for k, p in prompts.items()}
+        if tap is not None:
+            tap.take()
+        if s.store is not None:
+            s.store.drain(120)
+        done += 1
+        _progress(done)
+    kind, extents, s3r, buf = spec.get("raw"), None, None, None
+    res["raw_kind"] = kind
+    for r in range(spec["rounds"] + 1):
+        order = ["long", "short"] if r % 2 else ["short", "long"]
+        recs = {k: _measure(s, tap, prompts[k], spec) for k in order}
+        keys = recs["long"].pop("_keys", None)
+        recs["short"].pop("_keys", None)
+        if r == 0:  # warm round: resolve the raw ranges of what the long restore read
+            res["warm"] = recs
+            if kind in ("odirect", "s3") and s.store is not None and keys:
+                extents = raw.locate(s.store, keys, spec["raw_tier"])
+                res["raw_extents"] = len(extents)
+                res["raw_bytes"] = sum(e[2] for e in extents)
+                if kind == "s3":
+                    s3r = raw.S3Raw(spec["s3_endpoint"], spec["s3_bucket"])
+                else:
+                    buf = raw.aligned_buffer(sum(e[2] for e in raw.merge(extents)))
+            continue
+        res["rounds"].append(recs)
+        if kind == "memcpy":
+            nbytes = int(sum(recs["long"].get("read_bytes", {}).values()))
+            res["raw_bytes"] = nbytes
+            res["raw"].append(raw.memcpy(nbytes) if nbytes else None)
+        elif kind == "odirect" and extents:
+            evict(spec.get("evict", []))
+            res["raw"].append(raw.odirect_read(extents, spec["raw_chunk_bytes"], spec["raw_depth"], buf))
+        elif kind == "s3" and extents and s3r is not None:
+            res["raw"].append(s3r.read(extents, spec["raw_chunk_bytes"], spec["raw_depth"]))
+        done += 1
+        _progress(done)
+    if s3r is not None:
+        s3r.close()
+    finish(s, spec, res, out_path)
+
+
+def finish(s: Session, spec: dict[str, Any], res: dict[str, Any], out_path: str) -> None:
+    """Persist if asked (seal the SSD segment, write it back to objects), close, write ``res``, exit."""
+    if spec.get("persist") and s.store is not None:
+        s.store.persist(300)
+    t = time.perf_counter()
+    s.close()
+    res["close_s"] = time.perf_counter() - t
+    Path(out_path).write_text(json.dumps(res))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # state is persisted; skip the in-process engine's slow interpreter-exit teardown
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,100 @@
+"""One engine session of ``dtkv bench interference``, run in its own process.
+
+``python -m dynamo_tiered_kv.bench._restore_interference SPEC.json OUT.json``. SPEC: the keys of
+``_agentic_engine.Session`` (``engine_args``: ``max_num_seqs``, ``max_num_batched_tokens``) plus
+
+* ``store``: prompts computed first (with the connector: stored), outside any measurement;
+* ``restores``: long prompts requested during the decode (restored by the connector, or
+  recomputed without one), the i-th ``start_s + i * stagger_s`` after every stream has its first
+  token; ``streams`` decode requests of ``decode_prompt_tokens`` generating ``decode_tokens`` each;
+* ``rounds``: each round runs ``baseline`` (the streams alone) and ``restore`` (the streams plus
+  the restores), order alternating, the engine's prefix cache emptied before each phase;
+* ``persist``: at the end, seal the SSD segment and write it back to the object tier.
+
+The engine is driven like a server: ``LLMEngine.add_request`` at arrival times, ``step()`` in a
+loop; a stream's token times are the wall times of the steps that produced them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ._agentic_engine import Session, _progress
+from ._restore_engine import finish
+
+
+def run_phase(s: Session, spec: dict[str, Any], tag: str, restores: list[list[int]]) -> dict[str, Any]:
+    """Decode streams (plus ``restores`` arriving while they decode): token times and restore TTFTs."""
+    from ..connectors.vllm.tiny_model import synthetic_tokens
+
+    if s.store is not None:
+        s.store.drain(120)
+    s.llm.reset_prefix_cache()
+    eng = s.llm.llm_engine
+    dec = s.SamplingParams(max_tokens=spec["decode_tokens"], temperature=0, ignore_eos=True)
+    one = s.SamplingParams(max_tokens=1, temperature=0)
+    times: dict[str, list[float]] = {}
+    for i in range(spec["streams"]):
+        rid = f"{tag}-d{i}"
+        eng.add_request(rid, {"prompt_token_ids": synthetic_tokens(spec["decode_prompt_tokens"],
+                                                                   seed=hash((tag, i)) % 2**31, vocab_size=2000)}, dec)
+        times[rid] = []
+    added: dict[str, float] = {}
+    ttft: dict[str, float] = {}
+    due: list[float] | None = None
+    while eng.has_unfinished_requests() or (due is not None and len(added) < len(restores)):
+        now = time.perf_counter()
+        if due is None and all(times[r] for r in times):
+            due = [now + spec["start_s"] + i * spec["stagger_s"] for i in range(len(restores))]
+        if due is not None:
+            for i, t in enumerate(due):
+                rid = f"{tag}-r{i}"
+                if rid not in added and now >= t:
+                    eng.add_request(rid, {"prompt_token_ids": restores[i]}, one)
+                    added[rid] = time.perf_counter()
+        if not eng.has_unfinished_requests():
+            time.sleep(0.001)
+            continue
+        outs = eng.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.request_id in times:
+                n = len(o.outputs[0].token_ids)
+                times[o.request_id] += [now] * (n - len(times[o.request_id]))
+            elif o.request_id in added and o.request_id not in ttft and o.outputs[0].token_ids:
+                ttft[o.request_id] = (now - added[o.request_id]) * 1000
+    itl = [(b - a) * 1000 for ts in times.values() for a, b in itertools.pairwise(ts)]
+    return {"itl_ms": itl, "restore_ttft_ms": [ttft.get(f"{tag}-r{i}") for i in range(len(restores))],
+            "decode_s": max(ts[-1] for ts in times.values()) - min(ts[0] for ts in times.values())}
+
+
+def main(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    t = time.perf_counter()
+    s = Session(spec)
+    res: dict[str, Any] = {"engine_start_s": time.perf_counter() - t, "rounds": []}
+    done = 0
+    for p in spec.get("store", []):
+        s.measure(p, reset=True)
+        done += 1
+        _progress(done)
+    if s.store is not None:
+        s.store.drain(120)
+    for r in range(spec["rounds"]):
+        phases = ["baseline", "restore"] if r % 2 == 0 else ["restore", "baseline"]
+        rnd = {}
+        for ph in phases:
+            rnd[ph] = run_phase(s, spec, f"r{r}-{ph}", spec["restores"] if ph == "restore" else [])
+            done += 1
+            _progress(done)
+        res["rounds"].append(rnd)
+    finish(s, spec, res, out_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

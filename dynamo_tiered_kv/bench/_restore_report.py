@@ -1,0 +1,149 @@
+"""Summary and tables of ``dtkv bench restore`` (pure functions over the sessions' results)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+TIERS = ("host", "ssd", "object")
+RAW_DESC = {"memcpy": "memcpy", "odirect": "O_DIRECT preadv", "s3": "ranged GETs"}
+#: (tier, ours/raw ceiling) of issue 11 item 5
+RAW_TARGETS = {"host": 2.0, "ssd": 1.25, "object": 1.25}
+REDUCTION_TARGETS = {"ssd": 0.98, "object": 0.96}
+EXAMPLE_TARGET = 2.0
+
+
+def _med(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _ttft(sess: dict[str, Any], which: str) -> float | None:
+    return _med([r[which]["ttft_ms"] for r in sess["rounds"]])
+
+
+def _stages(rounds: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Median over rounds of the long restore's stages, in ms (None if the store reports none)."""
+    st = [r["long"].get("stages") for r in rounds if r["long"].get("stages")]
+    if not st:
+        return None
+    out: dict[str, Any] = {k: _med([s[k] * 1000 for s in st]) for k in ("wait_s", "decode_s", "total_s")}
+    out = {k.replace("_s", "_ms"): v for k, v in out.items()}
+    tiers = sorted({t for s in st for t in s["read_s"]})
+    out["read_ms"] = {t: _med([s["read_s"].get(t, 0.0) * 1000 for s in st]) for t in tiers}
+    out["read_mb"] = {t: _med([s["read_bytes"].get(t, 0) / 1e6 for s in st]) for t in tiers}
+    out["chunks"] = _med([s["chunks"] for s in st])
+    return out
+
+
+def summarize(res: dict[str, Any]) -> dict[str, Any]:
+    sess = res["sessions"]
+    out: dict[str, Any] = {"rows": []}
+    rec = sess.get("recompute")
+    rec_long = _ttft(rec, "long") if rec else None
+    out["recompute"] = {"long_ttft_ms": rec_long, "short_ttft_ms": _ttft(rec, "short") if rec else None}
+    ex = sess.get("example")
+    if ex:
+        el, es = _ttft(ex, "long"), _ttft(ex, "short")
+        out["example"] = {"long_ttft_ms": el, "short_ttft_ms": es, "marginal_ms": el - es,  # type: ignore[operator]
+                          "restored_tokens": _med([r["long"]["cached_tokens"] for r in ex["rounds"]]),
+                          "load_hook_ms": _med([r["long"]["load_hook_ms"] for r in ex["rounds"]])}
+    for tier in TIERS:
+        s = sess.get(tier)
+        if not s or not s["rounds"]:
+            continue
+        long, short = _ttft(s, "long"), _ttft(s, "short")
+        assert long is not None and short is not None
+        raw_ms = _med([x * 1000 for x in s.get("raw", []) if x is not None])
+        row: dict[str, Any] = {
+            "tier": tier, "long_ttft_ms": long, "short_ttft_ms": short, "marginal_ms": long - short,
+            "marginal_rounds_ms": [r["long"]["ttft_ms"] - r["short"]["ttft_ms"] for r in s["rounds"]],
+            "restored_tokens": _med([r["long"]["cached_tokens"] for r in s["rounds"]]),
+            "served_blocks": s["rounds"][-1]["long"].get("served_blocks", {}),
+            "load_hook_ms": _med([r["long"]["load_hook_ms"] for r in s["rounds"]]),
+            "raw_ms": raw_ms, "raw_rounds_ms": [x * 1000 for x in s.get("raw", []) if x is not None],
+            "raw_kind": RAW_DESC.get(s.get("raw_kind", ""), ""), "raw_bytes": s.get("raw_bytes"),
+            "stages": _stages(s["rounds"])}
+        row["ratio_raw"] = row["marginal_ms"] / raw_ms if raw_ms else None
+        row["reduction_vs_recompute"] = 1 - long / rec_long if rec_long else None
+        if ex:
+            row["example_over_ours_marginal"] = out["example"]["marginal_ms"] / max(row["marginal_ms"], 1e-6)
+            row["example_over_ours_ttft"] = out["example"]["long_ttft_ms"] / long
+        out["rows"].append(row)
+    out["targets"] = targets(out, res.get("object_tier", ""))
+    return out
+
+
+def targets(s: dict[str, Any], obj_desc: str) -> list[dict[str, Any]]:
+    """Issue 11 item 5 goals against what this run measured."""
+    rows = {r["tier"]: r for r in s["rows"]}
+    out: list[dict[str, Any]] = []
+    for tier, lim in RAW_TARGETS.items():
+        r = rows.get(tier)
+        if r and r["ratio_raw"] is not None:
+            out.append({"goal": f"{tier} marginal restore <= {lim}x {r['raw_kind']}", "measured": r["ratio_raw"],
+                        "fmt": "x", "met": r["ratio_raw"] <= lim})
+    r = rows.get("ssd")
+    if r and "example_over_ours_marginal" in r:
+        out.append({"goal": f">= {EXAMPLE_TARGET}x faster than ExampleConnector cold restore (SSD, marginal)",
+                    "measured": r["example_over_ours_marginal"], "fmt": "x",
+                    "met": r["example_over_ours_marginal"] >= EXAMPLE_TARGET})
+        out.append({"goal": f">= {EXAMPLE_TARGET}x faster than ExampleConnector cold restore (SSD, TTFT)",
+                    "measured": r["example_over_ours_ttft"], "fmt": "x",
+                    "met": r["example_over_ours_ttft"] >= EXAMPLE_TARGET})
+    for tier, lim in REDUCTION_TARGETS.items():
+        r = rows.get(tier)
+        if r and r["reduction_vs_recompute"] is not None:
+            what = f" ({obj_desc.split(' (')[0]})" if tier == "object" else ""
+            out.append({"goal": f"TTFT reduction vs recompute, {tier}{what} >= {lim:.0%}",
+                        "measured": r["reduction_vs_recompute"], "fmt": "%",
+                        "met": r["reduction_vs_recompute"] >= lim})
+    return out
+
+
+def _f(v: float | None, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def format_tables(res: dict[str, Any]) -> str:
+    s = res["summary"]
+    kv = res["kv_bytes_per_token"]
+    lines = [f"engine: {res['model']}",
+             f"prompt {res['context_tokens']} tokens, short {res['short_tokens']}, block {res['block_size']}; "
+             f"object tier: {res['object_tier']}; raw reads: {res['raw_chunk_bytes'] >> 10} KiB x "
+             f"{res['raw_depth']} in flight; medians of {res['rounds']} rounds",
+             "",
+             f"{'tier':<7} {'restored':>8} {'MiB':>5} {'TTFT long':>9} {'short':>6} {'marginal':>8} | "
+             f"{'raw ms':>7} {'raw':<15} {'ours/raw':>8} | {'vs recompute':>12} {'Ex/ours':>7} {'(TTFT)':>6}"]
+    for r in s["rows"]:
+        lines.append(f"{r['tier']:<7} {_f(r['restored_tokens'], '.0f'):>8} "
+                     f"{_f((r['restored_tokens'] or 0) * kv / 2**20):>5} {r['long_ttft_ms']:>9.1f} "
+                     f"{r['short_ttft_ms']:>6.1f} {r['marginal_ms']:>8.1f} | {_f(r['raw_ms']):>7} "
+                     f"{r['raw_kind']:<15} {_f(r['ratio_raw'], '.2f'):>7}x | "
+                     f"{_f(r['reduction_vs_recompute'] and r['reduction_vs_recompute'] * 100):>11}% "
+                     f"{_f(r.get('example_over_ours_marginal'), '.2f'):>6}x "
+                     f"{_f(r.get('example_over_ours_ttft'), '.2f'):>5}x")
+    rc, ex = s["recompute"], s.get("example")
+    lines.append(f"{'recomp.':<7} {'0':>8} {'':>5} {_f(rc['long_ttft_ms']):>9} {_f(rc['short_ttft_ms']):>6}")
+    if ex:
+        lines.append(f"{'Example':<7} {_f(ex['restored_tokens'], '.0f'):>8} "
+                     f"{_f((ex['restored_tokens'] or 0) * kv / 2**20):>5} {ex['long_ttft_ms']:>9.1f} "
+                     f"{ex['short_ttft_ms']:>6.1f} {ex['marginal_ms']:>8.1f} | (cold: files dropped from the page "
+                     f"cache; load hooks {ex['load_hook_ms']:.1f} ms)")
+    staged = [r for r in s["rows"] if r["stages"]]
+    if staged:
+        lines += ["", "store restore stages of the long prompt (LoadResult.stages, ms):",
+                  f"{'tier':<7} {'read':>7} {'MB':>6} {'wait':>7} {'decode':>7} {'total':>7} {'chunks':>6} "
+                  f"{'load hooks':>10}"]
+        for r in staged:
+            st = r["stages"]
+            lines.append(f"{r['tier']:<7} {_f(sum(st['read_ms'].values())):>7} {_f(sum(st['read_mb'].values())):>6} "
+                         f"{_f(st['wait_ms']):>7} {_f(st['decode_ms']):>7} {_f(st['total_ms']):>7} "
+                         f"{_f(st['chunks'], '.0f'):>6} {_f(r['load_hook_ms']):>10}")
+    else:
+        lines += ["", "(the store reports no restore stages: breakdown skipped)"]
+    lines += ["", "targets (issue 11 item 5):"]
+    for t in s["targets"]:
+        m = f"{t['measured']:.1%}" if t["fmt"] == "%" else f"{t['measured']:.2f}x"
+        lines.append(f"  {'met ' if t['met'] else 'MISS'}  {t['goal']}: {m}")
+    return "\n".join(lines)

