@@ -41,4 +41,4 @@ def test_summary_counts_restored_turns_and_speedup_per_tier() -> None:
 
 def test_summary_flags_mismatch() -> None:
     line = summary({"restart": {"turns": [_turn(2048, 400, 200, "DIFFERENT")]}})
-    assert line.startswith("dtkv demo MISMATCH: 1/1 turns restored, 0/1")
+    assert line.startswith("dtkv demo MISMATCH: 1/1 turns restored, 0/1") and "ssd 2.0x" in line
