@@ -372,7 +372,8 @@ def test_connector_class_exists_in_package() -> None:
 
 def test_gc_command_line_parses(case) -> None:
     """The CronJob's exact command line is accepted by the package's `dtkv gc` and names the store,
-    endpoint and retention the workers use; the S3 keys reach it as the DTKV_S3_* env it reads."""
+    endpoint and retention the workers use; S3 keys and settings reach it as the workers' DYN_TIERED_KV_*
+    env and config file."""
     from dynamo_tiered_kv.cli import build_parser
 
     values, docs = case
@@ -396,11 +397,16 @@ def test_gc_command_line_parses(case) -> None:
     secret = values["secret"]
     secret_name = "t-dynamo-tiered-kv" if secret.get("create", True) else secret["existingSecret"]
     keys = {"s3AccessKey": "s3-access-key", "s3SecretKey": "s3-secret-key", **secret.get("keys", {})}
-    for var, key in (("DTKV_S3_ACCESS_KEY", "s3AccessKey"), ("DTKV_S3_SECRET_KEY", "s3SecretKey")):
+    for var, key in (("DYN_TIERED_KV_S3_ACCESS_KEY", "s3AccessKey"), ("DYN_TIERED_KV_S3_SECRET_KEY", "s3SecretKey")):
         ref = env[var]["valueFrom"]["secretKeyRef"]
         assert (ref["name"], ref["key"], ref.get("optional")) == (secret_name, keys[key], True)
+    assert not [v for v in env if v.startswith("DTKV_")], "dtkv gc reads DYN_TIERED_KV_* like the workers"
+    assert env["DYN_TIERED_KV_CONFIG_FILE"]["value"].endswith("/gc.yaml")
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    gc_settings = yaml.safe_load(cm["data"]["gc.yaml"]) or {}
     if tiered.get("s3_region"):
-        assert env["DTKV_S3_REGION"]["value"] == tiered["s3_region"]
+        assert gc_settings["s3_region"] == tiered["s3_region"]
+    assert "ssd_dir" not in gc_settings
 
 
 def test_schema_mirrors_config_fields() -> None:
@@ -843,7 +849,8 @@ BAD_VALUES = {
     "disaggregation needs v1beta1": (["--set", "disaggregation.enabled=true", "--set",
                                       "worker.kind=DynamoGraphDeployment", "--set",
                                       "dynamoGraphDeployment.apiVersion=nvidia.com/v1alpha1"],
-                                     "disaggregation.enabled needs dynamoGraphDeployment.apiVersion=nvidia.com/v1beta1"),
+                                     "disaggregation.enabled needs dynamoGraphDeployment.apiVersion="
+                                     "nvidia.com/v1beta1"),
 }
 
 

@@ -368,27 +368,6 @@ object_ttl_s default), not from the config file.
 {{- toYaml $args -}}
 {{- end -}}
 
-{{/* S3 settings `dtkv gc` reads from DTKV_S3_* (the store reads DYN_TIERED_KV_*). */}}
-{{- define "dtkv.gcS3Env" -}}
-{{- $name := include "dtkv.secretName" . -}}
-- name: DTKV_S3_ACCESS_KEY
-  valueFrom:
-    secretKeyRef:
-      name: {{ $name }}
-      key: {{ .Values.secret.keys.s3AccessKey }}
-      optional: true
-- name: DTKV_S3_SECRET_KEY
-  valueFrom:
-    secretKeyRef:
-      name: {{ $name }}
-      key: {{ .Values.secret.keys.s3SecretKey }}
-      optional: true
-{{- with .Values.tieredKV.s3_region }}
-- name: DTKV_S3_REGION
-  value: {{ . | quote }}
-{{- end }}
-{{- end -}}
-
 {{/* ---------------------------------------------------------------- checks */}}
 
 {{/* Cross-field checks the JSON schema cannot express; fail at render time, not at 3 a.m. */}}
