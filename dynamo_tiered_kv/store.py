@@ -52,6 +52,7 @@ from .layout import EngineLayout
 from .lifecycle import Background
 from .metrics import StoreMetrics
 from .policy import Admission, AdmissionPolicy, Retention
+from .residency import ResidencyListener, install, medium_of, notify
 from .staging import Slab, StagingPool
 from .store_reads import ChunkReads, LoadStages, slot_view
 from .tiers.base import Tier
@@ -111,6 +112,7 @@ class TieredStore(ChunkReads):
         load_first_chunk_bytes: size of a load's first chunk (small: verify+scatter starts early).
         load_depth: chunks of one load read ahead at most (each takes a staging slab while free).
         device_staging: device slabs for GPU-direct transfers to tiers that have ``device_io``.
+        on_residency: told which blocks each tier stores and drops (``residency``; KV events).
     """
 
     def __init__(self, tiers: Sequence[Tier], namespace: Namespace, staging: StagingPool, *,
@@ -120,7 +122,8 @@ class TieredStore(ChunkReads):
                  metrics_port: int | None = None, sweep_interval_s: float = 5.0,
                  close_flush_timeout_s: float = 30.0, load_chunk_bytes: int = 8 << 20,
                  device_staging: DeviceStagingPool | None = None, exit_timeout_s: float = 10.0,
-                 load_first_chunk_bytes: int = 1 << 20, load_depth: int = 4) -> None:
+                 load_first_chunk_bytes: int = 1 << 20, load_depth: int = 4,
+                 on_residency: ResidencyListener | None = None) -> None:
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")
         self.tiers = list(tiers)
@@ -148,6 +151,7 @@ class TieredStore(ChunkReads):
         self.load_first_chunk_bytes = load_first_chunk_bytes
         self.load_depth = max(1, load_depth)
         self._background = list(background)
+        self.set_residency(on_residency)
         self._bg_tasks: list[asyncio.Task] = []
         self._tasks: set[asyncio.Task] = set()
         self._loop = asyncio.new_event_loop()
@@ -412,6 +416,17 @@ class TieredStore(ChunkReads):
         now = time.monotonic()
         for key, _ in items:
             self._ttl[ti].touch(key, now)
+        self._tell(ti, [k for k, _ in items if tier.contains(k)], stored=True)  # not those it evicted since
+
+    def set_residency(self, listener: ResidencyListener | None) -> None:
+        """Report to ``listener`` which blocks each tier stores and drops from now on (None: stop)."""
+        self._residency = listener
+        install(self.tiers, listener)
+
+    def _tell(self, ti: int, keys: list[BlockKey], *, stored: bool) -> None:
+        listener, medium = self._residency, medium_of(self.tiers[ti])
+        if listener is not None and medium is not None and keys:
+            notify(listener.stored if stored else listener.removed, medium, keys)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every accepted offload has been written (tests, shutdown)."""
@@ -465,7 +480,8 @@ class TieredStore(ChunkReads):
     async def _forget(self, ti: int, key: BlockKey) -> None:
         """Delete a record that failed verification so lookups stop offering it."""
         try:
-            await self.tiers[ti].delete(key)
+            if await self.tiers[ti].delete(key):
+                self._tell(ti, [key], stored=False)
         except Exception as e:
             log.warning("could not delete corrupt block %s from tier %s: %s", key.hex(), self.tiers[ti].name, e)
 
@@ -501,7 +517,9 @@ class TieredStore(ChunkReads):
     async def _drop_tier(self, ti: int) -> None:
         tier = self.tiers[ti]
         try:
-            n = await tier.delete_many(list(tier.keys()))
+            keys = list(tier.keys())
+            n = await tier.delete_many(keys)
+            self._tell(ti, keys, stored=False)
             log.info("dropped %d blocks from tier %s (cache reset)", n, tier.name)
         except Exception as e:
             log.warning("dropping tier %s after a cache reset failed: %s", tier.name, e)
@@ -517,11 +535,15 @@ class TieredStore(ChunkReads):
         now = time.monotonic() if now is None else now
         n = 0
         for ti, ttl in enumerate(self._ttl):
+            gone = []
             for key in ttl.expired(now):
                 try:
-                    n += bool(await self.tiers[ti].delete(key))
+                    if await self.tiers[ti].delete(key):
+                        gone.append(key)
                 except Exception as e:
                     log.warning("TTL delete from tier %s failed: %s", self.tiers[ti].name, e)
+            n += len(gone)
+            self._tell(ti, gone, stored=False)
         return n
 
     def sweep_now(self, now: float | None = None) -> int:

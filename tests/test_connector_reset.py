@@ -66,7 +66,8 @@ def test_kv_events_name_the_lora_adapter() -> None:
 
     from dynamo_tiered_kv.connectors.vllm.events import block_stored
 
-    ev = block_stored(spec.token_hashes, None, spec.token_ids, BS, lora_id=spec.lora_id, lora_name=spec.lora_name)
+    ev = block_stored(spec.token_hashes, None, spec.token_ids, BS, medium="CPU_PINNED", lora_id=spec.lora_id,
+                      lora_name=spec.lora_name)
     assert (ev.lora_id, ev.lora_name) == (7, "sql")
 
 

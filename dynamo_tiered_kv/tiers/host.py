@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,12 +24,17 @@ from ..keys import BlockKey
 from ..staging import Slab
 from .base import ByteRange, Tier, TierCapabilities, TierUsage, check_range
 
+if TYPE_CHECKING:
+    from ..residency import TierHook
+
 DEFAULT_CHUNK_BYTES = 256 * 1024
 
 
 class HostTier(Tier):
     name = "host"
     capabilities = TierCapabilities(medium="host", durable=False, shared=False)
+    #: set by the store (``residency.install``): told which keys LRU eviction dropped
+    residency_hook: TierHook | None = None
 
     def __init__(
         self,
@@ -159,6 +165,8 @@ class HostTier(Tier):
             if self._on_evict is not None:
                 for k in evicted:
                     self._on_evict(k)
+            if evicted and self.residency_hook is not None:
+                self.residency_hook.evicted(evicted)
 
     def _store_locked(self, key: BlockKey, src: np.ndarray, need: int, evicted: list[BlockKey]) -> None:
         self._drop(key)

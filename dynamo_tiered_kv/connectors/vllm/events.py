@@ -1,20 +1,43 @@
-"""KV cache events: tell vLLM's event publisher (and Dynamo's KV router) which prefixes the store
-now holds, as ``BlockStored`` events with ``medium="dtkv"``.
+"""KV cache events: tell vLLM's event publisher (and Dynamo's KV router) which tier of this worker
+holds which prefix blocks.
 
-Workers emit one event per accepted offload; the scheduler role merges the workers' events and
-keeps only those every TP rank reported (a prefix is restorable only if all shards are stored),
-the same aggregation vLLM's LMCache connector uses. Block hashes are the connector's token
-hashes (first 8 bytes as an int), chained through ``parent_block_hash``. Emitted only when the
-engine runs with ``--kv-events-config '{"enable_kv_cache_events": true, ...}'``.
+One ``BlockStored`` per run of blocks a tier now holds and one ``BlockRemoved`` per batch a tier
+dropped, with the ``medium`` Dynamo's router maps to its storage tiers (``residency``): host tier
+``CPU_PINNED`` (HostPinned, ``--router-host-cache-hit-weight``), SSD tier ``DISK`` (Disk,
+``--router-disk-cache-hit-weight``), shared object tier ``EXTERNAL`` with ``locality="REMOTE"``
+(External, disk weight). A block in two tiers is announced once per tier; the router keeps one
+entry per tier, so every tier's removal is its own event.
+
+Worker side (``BlockResidency``): the store reports residency changes by key; the worker maps a
+key back to what an event needs (token hash, parent, tokens, LoRA) for the blocks it offloaded
+itself, kept in a bounded LRU. A key that is not there (blocks found at start, blocks another
+node wrote, entries aged out) produces no event; an entry that ages out first has its tiers
+announced removed, so the router never keeps a block this worker can no longer account for.
+
+Scheduler side (``ResidencyLedger``): a block is restorable from a tier only if every worker of
+the engine (TP x PP ranks) holds its shard there. Stored is announced once the last worker
+reported it, removed as soon as the first one dropped it, whatever step each rank reported in.
+Block hashes are the connector's token hashes (first 8 bytes as an int), chained through
+``parent_block_hash``. Emitted only with ``--kv-events-config '{"enable_kv_cache_events": true}'``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
-from vllm.distributed.kv_events import BlockStored, KVCacheEvent, KVConnectorKVEvents, KVEventAggregator
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 
-MEDIUM = "dtkv"
+from ...residency import DISK, EXTERNAL, HOST
+
+#: the mediums we emit, and the router tier each maps to (ai-dynamo StorageTier::from_kv_medium)
+ROUTER_TIER = {HOST: "HostPinned", DISK: "Disk", EXTERNAL: "External"}
+#: ``locality`` per medium (vLLM >= 0.32 events carry it; None: unspecified)
+LOCALITY = {EXTERNAL: "REMOTE"}
+DEFAULT_TRACKED_BLOCKS = 1 << 18
 
 
 def external_hash(token_hash: bytes) -> int:
@@ -22,37 +45,238 @@ def external_hash(token_hash: bytes) -> int:
 
 
 class TieredKVEvents(KVConnectorKVEvents):
-    def __init__(self, num_workers: int = 1) -> None:
-        self._agg = KVEventAggregator(num_workers)
+    """One step's events of one worker; vLLM merges the workers' into the first one's object.
+
+    ``world`` is the number of workers (TP x PP ranks) that must all hold a block's shards.
+    """
+
+    def __init__(self, num_workers: int = 1, world: int = 1) -> None:
+        self._events: list[KVCacheEvent] = []
+        self._workers = num_workers
+        self.world = world
 
     def add_events(self, events: list[KVCacheEvent]) -> None:
-        self._agg.add_events(events)
+        self._events.extend(events)
 
     def aggregate(self) -> TieredKVEvents:
-        common = self._agg.get_common_events()
-        self._agg.clear_events()
-        self._agg.add_events(common)
-        self._agg.reset_workers()
-        return self
+        return self  # the scheduler's ResidencyLedger aggregates across steps
 
     def increment_workers(self, count: int = 1) -> None:
-        self._agg.increment_workers(count)
+        self._workers += count
 
     def get_all_events(self) -> list[KVCacheEvent]:
-        return self._agg.get_all_events()
+        return list(self._events)
 
     def get_number_of_workers(self) -> int:
-        return self._agg.get_number_of_workers()
+        return self._workers
 
     def clear_events(self) -> None:
-        self._agg.clear_events()
-        self._agg.reset_workers()
+        self._events = []
+        self._workers = 0
 
 
 def block_stored(token_hashes: Sequence[bytes], parent: bytes | None, token_ids: Sequence[int],
-                 block_size: int, *, lora_id: int | None = None, lora_name: str | None = None) -> BlockStored:
-    """One event for a run of consecutive stored blocks (of one LoRA adapter, or the base model)."""
+                 block_size: int, *, medium: str, lora_id: int | None = None,
+                 lora_name: str | None = None) -> BlockStored:
+    """One event for a run of consecutive blocks of one tier (of one LoRA adapter, or the base model)."""
     return BlockStored(block_hashes=[external_hash(h) for h in token_hashes],
                        parent_block_hash=external_hash(parent) if parent else None,
-                       token_ids=list(token_ids), block_size=block_size, lora_id=lora_id, medium=MEDIUM,
-                       lora_name=lora_name)
+                       token_ids=list(token_ids), block_size=block_size, lora_id=lora_id, medium=medium,
+                       lora_name=lora_name, locality=LOCALITY.get(medium))
+
+
+def block_removed(hashes: Sequence[int], medium: str) -> BlockRemoved:
+    return BlockRemoved(block_hashes=list(hashes), medium=medium, locality=LOCALITY.get(medium))
+
+
+# --- worker side -------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Block:
+    token_hash: bytes
+    parent: bytes | None
+    tokens: array
+    lora_id: int | None
+    lora_name: str | None
+    mediums: set[str]
+
+
+class BlockResidency:
+    """The worker's ``ResidencyListener``: store keys -> vLLM events (thread-safe).
+
+    ``track`` registers blocks before they are offloaded; ``stored``/``removed`` (called by the
+    store, any thread) queue events for tracked keys only, each medium at most once per residency;
+    ``take`` hands the queued events over. At most ``max_blocks`` keys are tracked (LRU).
+    """
+
+    def __init__(self, block_size: int, max_blocks: int = DEFAULT_TRACKED_BLOCKS) -> None:
+        self.block_size = block_size
+        self.max_blocks = max(1, max_blocks)
+        self._lock = threading.Lock()
+        self._blocks: OrderedDict[bytes, _Block] = OrderedDict()
+        self._events: list[KVCacheEvent] = []
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def track(self, keys: Sequence[bytes], token_hashes: Sequence[bytes], parent: bytes | None,
+              token_ids: Sequence[int], *, lora_id: int | None = None, lora_name: str | None = None,
+              holders: Callable[[bytes], Iterable[str]] | None = None) -> None:
+        """Remember blocks about to be offloaded (``token_hashes[i]`` is ``keys[i]``'s, chained from
+        ``parent``). ``holders(key)``: mediums already holding a newly tracked key (announced now)."""
+        bs = self.block_size
+        fresh: list[bytes] = []
+        with self._lock:
+            prev = parent
+            for i, (k, h) in enumerate(zip(keys, token_hashes, strict=True)):
+                b = self._blocks.get(k)
+                if b is None:
+                    self._blocks[k] = _Block(h, prev, array("I", token_ids[i * bs:(i + 1) * bs]), lora_id,
+                                             lora_name, set())
+                    fresh.append(k)
+                else:
+                    self._blocks.move_to_end(k)
+                prev = h
+            self._trim_locked()
+            if holders is not None and fresh:
+                by_medium: dict[str, list[bytes]] = {}
+                for k in fresh:
+                    for m in holders(k):
+                        by_medium.setdefault(m, []).append(k)
+                for m, ks in by_medium.items():
+                    self._stored_locked(m, ks)
+
+    def _trim_locked(self) -> None:
+        gone: dict[str, list[int]] = {}
+        while len(self._blocks) > self.max_blocks:
+            _, b = self._blocks.popitem(last=False)
+            for m in b.mediums:  # no longer accounted for: the router must not keep it
+                gone.setdefault(m, []).append(external_hash(b.token_hash))
+        for m, hashes in gone.items():
+            self._events.append(block_removed(hashes, m))
+
+    def stored(self, medium: str, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            self._stored_locked(medium, keys)
+
+    def _stored_locked(self, medium: str, keys: Sequence[bytes]) -> None:
+        run: list[_Block] = []
+        for k in keys:
+            b = self._blocks.get(bytes(k))
+            if b is None or medium in b.mediums:
+                self._flush_run(medium, run)
+                continue
+            b.mediums.add(medium)
+            self._blocks.move_to_end(bytes(k))
+            if run and (b.parent != run[-1].token_hash or (b.lora_id, b.lora_name) != (run[0].lora_id,
+                                                                                      run[0].lora_name)):
+                self._flush_run(medium, run)
+            run.append(b)
+        self._flush_run(medium, run)
+
+    def _flush_run(self, medium: str, run: list[_Block]) -> None:
+        if not run:
+            return
+        tokens: list[int] = []
+        for b in run:
+            tokens.extend(b.tokens)
+        self._events.append(block_stored([b.token_hash for b in run], run[0].parent, tokens, self.block_size,
+                                         medium=medium, lora_id=run[0].lora_id, lora_name=run[0].lora_name))
+        run.clear()
+
+    def removed(self, medium: str, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            hashes = []
+            for k in keys:
+                b = self._blocks.get(bytes(k))
+                if b is not None and medium in b.mediums:  # unknown or never announced: nothing to say
+                    b.mediums.discard(medium)
+                    hashes.append(external_hash(b.token_hash))
+            if hashes:
+                self._events.append(block_removed(hashes, medium))
+
+    def reset(self) -> None:
+        """Cache reset (new weights): every announced block is unusable; say so and forget them all."""
+        with self._lock:
+            gone: dict[str, list[int]] = {}
+            for b in self._blocks.values():
+                for m in b.mediums:
+                    gone.setdefault(m, []).append(external_hash(b.token_hash))
+            self._blocks.clear()
+            for m, hashes in gone.items():
+                self._events.append(block_removed(hashes, m))
+
+    def take(self) -> list[KVCacheEvent]:
+        with self._lock:
+            out, self._events = self._events, []
+        return out
+
+
+# --- scheduler side ----------------------------------------------------------------------------
+class ResidencyLedger:
+    """Turns the workers' per-rank events into the engine's: a (medium, block) is announced stored
+    when all ``world`` workers hold it and removed when the first one drops it.
+
+    Only blocks some but not all workers hold are kept (each worker reports a medium's stored and
+    removed alternately, so an absent entry means none or all, and the event kind says which), at
+    most ``max_partial`` of them; past that the oldest is forgotten, and a later report of it may
+    go unannounced (stored) or be announced twice (removed).
+    """
+
+    def __init__(self, max_partial: int = 1 << 16) -> None:
+        self.max_partial = max_partial
+        self._partial: OrderedDict[tuple[str | None, int], int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._partial)
+
+    def apply(self, events: Iterable[KVCacheEvent], world: int) -> list[KVCacheEvent]:
+        if world <= 1:
+            return list(events)
+        out: list[KVCacheEvent] = []
+        for e in events:
+            if isinstance(e, BlockStored):
+                done = [i for i, h in enumerate(e.block_hashes) if self._count((e.medium, h), +1, world)]
+                out.extend(_sub_runs(e, done))
+            elif isinstance(e, BlockRemoved):
+                gone = [h for h in e.block_hashes if self._count((e.medium, h), -1, world)]
+                if gone:
+                    out.append(BlockRemoved(block_hashes=gone, medium=e.medium, locality=e.locality))
+            else:
+                out.append(e)
+        while len(self._partial) > self.max_partial:
+            self._partial.popitem(last=False)
+        return out
+
+    def _count(self, key: tuple[str | None, int], delta: int, world: int) -> bool:
+        """Apply one worker's report; True when the engine-wide state flips (announce it)."""
+        held = self._partial.pop(key, None)
+        if held is None:  # nobody (a store comes first) or everybody (a removal comes first)
+            held, flips = (0 if delta > 0 else world), True
+        else:
+            flips = False
+        held += delta
+        if 0 < held < world:
+            self._partial[key] = held
+            return flips and delta < 0
+        return held >= world and delta > 0
+
+
+def _sub_runs(e: BlockStored, idx: list[int]) -> list[BlockStored]:
+    """The blocks ``idx`` of ``e`` as events of consecutive blocks (``e`` itself when all)."""
+    if len(idx) == len(e.block_hashes):
+        return [e]
+    out: list[BlockStored] = []
+    bs = e.block_size
+    i = 0
+    while i < len(idx):
+        j = i
+        while j + 1 < len(idx) and idx[j + 1] == idx[j] + 1:
+            j += 1
+        a, b = idx[i], idx[j] + 1
+        parent = e.parent_block_hash if a == 0 else e.block_hashes[a - 1]
+        out.append(BlockStored(
+            block_hashes=e.block_hashes[a:b], parent_block_hash=parent,
+            token_ids=e.token_ids[a * bs:b * bs], block_size=bs, lora_id=e.lora_id, medium=e.medium,
+            lora_name=e.lora_name, extra_keys=e.extra_keys[a:b] if e.extra_keys else None, locality=e.locality))
+        i = j + 1
+    return out

@@ -99,7 +99,8 @@ class SchedulerRole:
         self._reqs: dict[str, _Req] = {}
         self.min_prefix_blocks = config.min_prefix_blocks
         self.kv_events = kv_events
-        self._events = None  # TieredKVEvents merged from the workers' outputs
+        self._events: list[Any] = []  # engine-wide events not yet taken (ResidencyLedger output)
+        self._ledger: Any = None  # events.ResidencyLedger, created with the first events
         self._outcomes = LoadOutcomes()
         self._reset_pending = False
         self.load_async = config.load_async
@@ -247,13 +248,13 @@ class SchedulerRole:
         if self._async:
             self._async_outcomes(invalid, getattr(connector_output, "finished_recving", None) or ())
         events = getattr(connector_output, "kv_cache_events", None)
-        if events is None or type(events).__name__ != "TieredKVEvents":
+        if not self.kv_events or events is None or type(events).__name__ != "TieredKVEvents":
             return
-        if self._events is None:
-            self._events = events
-        else:
-            self._events.add_events(events.get_all_events())
-            self._events.increment_workers(events.get_number_of_workers())
+        if self._ledger is None:
+            from .events import ResidencyLedger
+
+            self._ledger = ResidencyLedger()
+        self._events.extend(self._ledger.apply(events.get_all_events(), getattr(events, "world", 1)))
 
     def _async_outcomes(self, invalid: set[int], finished: Any) -> None:
         """Failed blocks of async loads (any step up to their finish) and loads every worker finished.
@@ -282,11 +283,9 @@ class SchedulerRole:
                          req_id, len(ld.failed), len(ld.block_ids), cut)
 
     def take_events(self) -> list[Any]:
-        """BlockStored events every worker reported since the last call."""
-        if self._events is None:
-            return []
-        out = self._events.aggregate().get_all_events()
-        self._events = None
+        """Tier events since the last call: BlockStored once every worker (TP x PP rank) holds a
+        block in that tier, BlockRemoved once any of them dropped it (``events.ResidencyLedger``)."""
+        out, self._events = self._events, []
         return out
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -7,7 +7,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...codec import record_bytes
 from ...config import TieredKVConfig
@@ -15,13 +15,19 @@ from ...errors import ConfigError
 from ...factory import build_store
 from ...keys import ROOT_KEY, Namespace, engine_block_key
 from ...layout import EngineLayout
+from ...residency import medium_of
 from ...store import TieredStore
 from .metadata import LoadSpec, TieredKVMetadata
 from .onboard import Onboarder, Restored
 from .rendezvous import LookupServer, register_local, unregister_local
 
+if TYPE_CHECKING:
+    from .events import BlockResidency
+
 log = logging.getLogger(__name__)
 _SERVED_HISTORY = 1024
+#: store keys remembered for KV events (LRU; about 100 bytes + 4 per token each)
+_TRACKED_BLOCKS = 1 << 18
 
 
 class WorkerRole:
@@ -48,7 +54,9 @@ class WorkerRole:
         self.namespace: Namespace | None = None
         self._server: LookupServer | None = None
         self._load_errors: set[int] = set()
-        self._events: list[Any] = []
+        #: store keys -> token hashes for KV events (created at the first save with events on)
+        self._residency: BlockResidency | None = None
+        self.tracked_blocks = _TRACKED_BLOCKS
         self._failed_this_step: set[int] = set()
         #: per request id: tier name of each block restored for it (recent requests only; the demo
         #: and the e2e tests report it)
@@ -99,6 +107,8 @@ class WorkerRole:
         self._failed_this_step = set()
         if meta.reset_cache:
             self._onboard.reset()  # restores in flight bring KV of the old weights: recompute them
+            if self._residency is not None:
+                self._residency.reset()  # every announced block is unusable now, shared tier's too
             if self.store is not None:
                 self.store.drop_local()  # the weights changed: this node's blocks can never be used again
         sync: list[LoadSpec] = []
@@ -187,29 +197,39 @@ class WorkerRole:
                 ids.append(b)
                 ks.append(k)
                 ps.append(p)
-            if ids and self.store.submit_offload(self.layout, ids, ks, ps, first_index=spec.first_index) \
-                    and spec.token_ids is not None:
-                self._note_stored(spec, len(ids))
+            if ids and spec.token_ids is not None:
+                self._track_for_events(spec, ks)  # before the submit: a write may finish before it returns
+            if ids:
+                self.store.submit_offload(self.layout, ids, ks, ps, first_index=spec.first_index)
         self.save_seconds += time.perf_counter() - t0
 
-    def _note_stored(self, spec: Any, n: int) -> None:
-        from .events import block_stored
+    def _track_for_events(self, spec: Any, keys: list[bytes]) -> None:
+        """KV events are on (the scheduler sent the tokens): remember what these keys are, so the
+        store's residency reports (which tier stored or dropped which key) become vLLM events."""
+        store = self.store
+        assert store is not None
+        if self._residency is None:
+            from .events import BlockResidency
 
+            self._residency = BlockResidency(self.block_size, self.tracked_blocks)
+            store.set_residency(self._residency)
+        n = len(keys)
         own = spec.token_hashes[1:] if spec.first_index > 0 else spec.token_hashes
         parent = spec.token_hashes[0] if spec.first_index > 0 else None
-        tokens = spec.token_ids[:n * self.block_size]
-        self._events.append(block_stored(own[:n], parent, tokens, self.block_size, lora_id=spec.lora_id,
-                                         lora_name=spec.lora_name))
+        tiers = [(t, medium_of(t)) for t in store.tiers]
+        self._residency.track(keys, own[:n], parent, spec.token_ids[:n * self.block_size], lora_id=spec.lora_id,
+                              lora_name=spec.lora_name,
+                              holders=lambda k: [m for t, m in tiers if m is not None and t.contains(k)])
 
     def take_kv_events(self) -> Any:
-        """Events for blocks accepted since the last call, as vLLM's ``KVConnectorKVEvents``."""
-        if not self._events:
+        """The tiers' stored/removed events since the last call, as vLLM's ``KVConnectorKVEvents``."""
+        events = self._residency.take() if self._residency is not None else []
+        if not events:
             return None
         from .events import TieredKVEvents
 
-        out = TieredKVEvents(num_workers=1)
-        out.add_events(self._events)
-        self._events = []
+        out = TieredKVEvents(num_workers=1, world=self.tp_size * self.pp_size)
+        out.add_events(events)
         return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:

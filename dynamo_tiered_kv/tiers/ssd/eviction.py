@@ -8,6 +8,7 @@ adds or removes segments (docs/SSD.md section 8).
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 from ...errors import TierFull
 from . import metrics
@@ -15,6 +16,9 @@ from .flushing import SegmentState
 from .index import CompactIndex
 from .io import PosixIO
 from .segment import flushed_marker, read_footer_at
+
+if TYPE_CHECKING:
+    from ...residency import TierHook
 
 
 class EvictionMixin:
@@ -28,6 +32,8 @@ class EvictionMixin:
     _used: int
     _allow_unflushed: bool | None
     _flusher_attached: bool
+    #: set by the store (``residency.install``): told which keys segment eviction dropped
+    residency_hook: TierHook | None = None
 
     def _close_fd(self, fd: int) -> None:
         raise NotImplementedError  # SSDTier's
@@ -57,23 +63,26 @@ class EvictionMixin:
             with self._lock:
                 if not self._evictable(victim):  # the flusher pinned it meanwhile: pick again
                     continue
-                self._evict_locked(victim, None if footer is None else footer.entries["key"].tolist())
+                gone = self._evict_locked(victim, None if footer is None else footer.entries["key"].tolist())
             for p in (victim.path, flushed_marker(victim.path)):
                 p.unlink(missing_ok=True)
             metrics.EVICTED_SEGMENTS.inc()
             metrics.USED_BYTES.set(self._used)
+            if self.residency_hook is not None:
+                self.residency_hook.evicted(gone)
 
-    def _evict_locked(self, seg: SegmentState, keys: list[bytes] | None) -> None:
-        """Forget ``seg`` (its index entries, its bytes); its fd closes when the last reader leaves."""
+    def _evict_locked(self, seg: SegmentState, keys: list[bytes] | None) -> list[bytes]:
+        """Forget ``seg`` (its index entries, its bytes); its fd closes when the last reader leaves.
+
+        Returns the keys this dropped (not those a later segment holds a newer copy of).
+        """
         assert self._io is not None
-        if keys is not None:
-            for key in keys:
-                self._index.pop(key, only_seq=seg.seq)
-        else:  # cannot happen for a file we sealed; fall back to a full index sweep
-            for key in list(self._index.keys()):
-                self._index.pop(key, only_seq=seg.seq)
+        if keys is None:  # cannot happen for a file we sealed; fall back to a full index sweep
+            keys = list(self._index.keys())
+        gone = [key for key in keys if self._index.pop(key, only_seq=seg.seq) is not None]
         del self._segments[seg.seq]
         seg.dead = True
         self._used -= seg.size
         if seg.readers == 0:
             self._close_fd(seg.fd)
+        return gone

@@ -11,10 +11,14 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..segments import SealedSegment, SegmentEntry
 from .recovery import fsync_dir
 from .segment import flushed_marker, read_footer_at
+
+if TYPE_CHECKING:
+    from ...residency import TierHook
 
 
 @dataclass(eq=False)
@@ -42,6 +46,8 @@ class SegmentSourceMixin:
     _segments: dict[int, SegmentState]
     _lock: threading.Lock
     _flusher_attached: bool
+    #: set by the store (``residency.install``): told which keys reached the object tier
+    residency_hook: TierHook | None = None
 
     # --- SegmentSource (for the object-tier flusher) ----------------------------------------
     def _segment_id(self, seq: int) -> str:
@@ -73,10 +79,12 @@ class SegmentSourceMixin:
         return out
 
     def mark_flushed(self, segment_id: str) -> None:
-        """Durably record that the segment is in the object tier (a marker file beside it)."""
+        """Durably record that the segment is in the object tier (a marker file beside it); then
+        tell the residency hook its keys are in the shared tier."""
         seg = self._seg_by_id(segment_id)
         if seg is None or seg.flushed:
             return
+        entries = seg.sealed_entries  # read before it is cleared below
         marker = flushed_marker(seg.path)
         fd = os.open(marker, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
@@ -87,6 +95,14 @@ class SegmentSourceMixin:
         with self._lock:
             seg.flushed = True
             seg.sealed_entries = None
+        hook = self.residency_hook
+        if hook is not None:
+            if entries is None:
+                footer = read_footer_at(seg.path, seg.size)
+                keys = [] if footer is None else footer.entries["key"].tolist()
+            else:
+                keys = [e.key for e in entries]
+            hook.flushed(keys)
 
     def pin_segment(self, segment_id: str) -> bool:
         with self._lock:
