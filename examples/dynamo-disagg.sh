@@ -21,8 +21,8 @@ export DYN_TIERED_KV_TENANT_SALT=${DYN_TIERED_KV_TENANT_SALT:?set a per-tenant s
 export PYTHONHASHSEED=0
 
 # KV router with per-tier prefix-hit weights (Dynamo's defaults: host 0.75, disk/external 0.25).
-# They apply to KV events whose `medium` names a tier; the connector's events currently say
-# medium="dtkv", which the router does not map (a follow-up emits one medium per tier).
+# The connector's KV events name the tier holding each block: CPU_PINNED (host), DISK (SSD),
+# EXTERNAL (object tier), so these weights apply to blocks only dynamo-tiered-kv holds.
 python -m dynamo.frontend --http-port 8000 --router-mode kv \
   --router-host-cache-hit-weight 0.75 --router-disk-cache-hit-weight 0.5 &
 

@@ -125,8 +125,9 @@ def main(spec_path: str, out_path: str) -> None:
             "served": dict(conn.worker.served) if conn is not None and conn.worker is not None else {},
             "metrics": _snapshot(conn),
             "seconds": seconds,
-            "dtkv_events": [{"blocks": len(e.block_hashes), "tokens": len(e.token_ids), "medium": e.medium}
-                            for e in published if getattr(e, "medium", None) == "dtkv"],
+            "dtkv_events": [{"kind": type(e).__name__, "blocks": len(e.block_hashes),
+                             "tokens": len(getattr(e, "token_ids", ())), "medium": e.medium}
+                            for e in published if getattr(e, "medium", None) in ("CPU_PINNED", "DISK", "EXTERNAL")],
         })
         published.clear()
         if r.get("touch_after"):
