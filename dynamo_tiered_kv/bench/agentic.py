@@ -51,10 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-mib", type=int, default=2048, help="host tier capacity in the live session")
     p.add_argument("--s3-endpoint", default=os.environ.get("DTKV_S3_ENDPOINT"),
                    help="S3 server for the object tier (default $DTKV_S3_ENDPOINT, else a local directory)")
-    p.add_argument("--s3-bucket", default="dtkv-bench-agentic")
+    p.add_argument("--s3-bucket", default="dtkv-bench-agentic", help="bucket on --s3-endpoint (created if missing)")
     p.add_argument("--quick", action="store_true", help="2 agents x 3 turns of small contexts (~2 min)")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG charts (no matplotlib needed)")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
 
 
 def _conversations(args: argparse.Namespace) -> list[dict[str, Any]]:

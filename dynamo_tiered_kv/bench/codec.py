@@ -43,8 +43,9 @@ SHAPES = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", choices=[*SHAPES, "all"], default="all")
-    p.add_argument("--layout", choices=[k.name.lower() for k in EngineLayoutKind], default="flash_attn")
+    p.add_argument("--shape", choices=[*SHAPES, "all"], default="all", help="model block shape to measure")
+    p.add_argument("--layout", choices=[k.name.lower() for k in EngineLayoutKind], default="flash_attn",
+                   help="engine KV layout gathered from / scattered into")
     p.add_argument("--working-set-mib", type=int, default=256, help="engine KV bytes cycled through")
     p.add_argument("--batch", type=int, default=8, help="blocks per encode call (one staging slab)")
     p.add_argument("--repeats", type=int, default=7, help="passes over the working set; best is kept")

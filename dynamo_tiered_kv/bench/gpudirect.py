@@ -39,11 +39,12 @@ from ..tiers.ssd.io import gds_verdict
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", type=Path, default=None, help="directory on the NVMe device (default: a temp dir)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"],
+                   help="cuda: GDS_MT; cpu: the CPU stand-in (host memory + NIXL POSIX, says nothing of GDS)")
     p.add_argument("--layers", type=int, default=32, help="layers (32 x 64 KiB: a Llama-3.1-8B 16-token block)")
     p.add_argument("--blocks", type=int, default=256, help="engine blocks moved per pass")
     p.add_argument("--batch", type=int, default=16, help="blocks per request (one prefix run)")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds; medians are reported")
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -54,9 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", default=env.get("DTKV_S3_ENDPOINT"),
                    help="S3 endpoint URL (default: start a moto server on loopback)")
     p.add_argument("--bucket", default="dtkv-bench", help="bucket (created if missing)")
-    p.add_argument("--access-key", default=env.get("DTKV_S3_ACCESS_KEY", "testing"))
-    p.add_argument("--secret-key", default=env.get("DTKV_S3_SECRET_KEY", "testing"))
-    p.add_argument("--region", default=env.get("DTKV_S3_REGION", "us-east-1"))
+    p.add_argument("--access-key", default=env.get("DTKV_S3_ACCESS_KEY", "testing"), help="S3 access key")
+    p.add_argument("--secret-key", default=env.get("DTKV_S3_SECRET_KEY", "testing"), help="S3 secret key")
+    p.add_argument("--region", default=env.get("DTKV_S3_REGION", "us-east-1"), help="S3 region")
     p.add_argument("--segment-mib", type=int, default=64, help="segment (object) size")
     p.add_argument("--record-kib", type=int, default=2048, help="record payload KiB (2048: 8B-model block)")
     p.add_argument("--prefixes", type=int, default=4, help="sequences per segment, each restored as a prefix")

@@ -49,8 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--record-kib", type=int, default=2048, help="payload KiB per record (2048: 8B-model block)")
     p.add_argument("--batch", type=int, default=16, help="records per write_many/read_many (one prefix run)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds; the median of each path is reported")
-    p.add_argument("--io", default="auto", choices=["auto", "nixl", "odirect", "buffered"])
-    p.add_argument("--segment-mib", type=int, default=256)
+    p.add_argument("--io", default="auto", choices=["auto", "nixl", "odirect", "buffered"],
+                   help="SSD tier I/O path (auto: NIXL when it loads, else O_DIRECT)")
+    p.add_argument("--segment-mib", type=int, default=256, help="segment file size")
     p.add_argument("--no-fsync", action="store_true", help="no fdatasync per batch (tier and raw alike)")
 
 

@@ -26,8 +26,8 @@ from .codec import SHAPES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", choices=list(SHAPES), default="qwen2.5-0.5b")
-    p.add_argument("--layout", choices=["flash_attn", "vllm_cpu"], default="flash_attn")
+    p.add_argument("--shape", choices=list(SHAPES), default="qwen2.5-0.5b", help="model block shape")
+    p.add_argument("--layout", choices=["flash_attn", "vllm_cpu"], default="flash_attn", help="engine KV layout")
     p.add_argument("--blocks", type=int, default=256, help="blocks per request (one offload / one load)")
     p.add_argument("--repeats", type=int, default=5, help="rounds; the best is kept")
 

@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small sizes everywhere (CI smoke run)")
     p.add_argument("--skip-raw", action="store_true", help="only the engine comparison")
     p.add_argument("--skip-engine", action="store_true", help="only the raw data paths")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
 
 
 def _sub(module: Any, argv: list[str]) -> dict[str, Any]:
