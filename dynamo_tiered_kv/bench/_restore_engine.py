@@ -5,7 +5,7 @@
 
 * ``long``, ``short``: prompts (token ids); ``store_first``: compute both once first (with the
   connector: they are stored), recorded under ``store``;
-* ``rounds``: measured rounds, after one unmeasured round (``warm``); each round measures
+* ``rounds``: measured rounds, after one unmeasured round (``warm``, unless false); each round measures
   ``long`` and ``short`` (order alternating), the engine's prefix cache emptied before each, and
   ``evict`` directories dropped from the page cache before each request (cold files);
 * ``raw``: ceiling measured once per round, between the requests: ``"memcpy"`` (the bytes the long
@@ -103,7 +103,7 @@ def main(spec_path: str, out_path: str) -> None:
         _progress(done)
     kind, extents, s3r, buf = spec.get("raw"), None, None, None
     res["raw_kind"] = kind
-    for r in range(spec["rounds"] + 1):
+    for r in range(0 if spec.get("warm", True) else 1, spec["rounds"] + 1):  # round 0: warm, unmeasured
         order = ["long", "short"] if r % 2 else ["short", "long"]
         recs = {k: _measure(s, tap, prompts[k], spec) for k in order}
         keys = recs["long"].pop("_keys", None)

@@ -6,7 +6,8 @@
 * ``store``: prompts computed first (with the connector: stored), outside any measurement;
 * ``restores``: long prompts requested during the decode (restored by the connector, or
   recomputed without one), the i-th ``start_s + i * stagger_s`` after every stream has its first
-  token; ``streams`` decode requests of ``decode_prompt_tokens`` generating ``decode_tokens`` each;
+  token; ``streams`` decode requests of ``decode_prompt_tokens`` generating at least
+  ``decode_tokens`` each and, in a restore phase, until every restore has its first token;
 * ``rounds``: each round runs ``baseline`` (the streams alone) and ``restore`` (the streams plus
   the restores), order alternating, the engine's prefix cache emptied before each phase;
 * ``persist``: at the end, seal the SSD segment and write it back to the object tier.
@@ -27,6 +28,9 @@ from typing import Any
 from ._agentic_engine import Session, _progress
 from ._restore_engine import finish
 
+#: a stream generates at most this many times ``decode_tokens`` (the engine's KV is sized for it)
+MAX_DECODE_FACTOR = 8
+
 
 def run_phase(s: Session, spec: dict[str, Any], tag: str, restores: list[list[int]]) -> dict[str, Any]:
     """Decode streams (plus ``restores`` arriving while they decode): token times and restore TTFTs."""
@@ -36,7 +40,8 @@ def run_phase(s: Session, spec: dict[str, Any], tag: str, restores: list[list[in
         s.store.drain(120)
     s.llm.reset_prefix_cache()
     eng = s.llm.llm_engine
-    dec = s.SamplingParams(max_tokens=spec["decode_tokens"], temperature=0, ignore_eos=True)
+    # streams decode until they have decode_tokens AND every restore has its first token, then are aborted
+    dec = s.SamplingParams(max_tokens=spec["decode_tokens"] * MAX_DECODE_FACTOR, temperature=0, ignore_eos=True)
     one = s.SamplingParams(max_tokens=1, temperature=0)
     times: dict[str, list[float]] = {}
     for i in range(spec["streams"]):
@@ -49,6 +54,9 @@ def run_phase(s: Session, spec: dict[str, Any], tag: str, restores: list[list[in
     due: list[float] | None = None
     while eng.has_unfinished_requests() or (due is not None and len(added) < len(restores)):
         now = time.perf_counter()
+        if len(ttft) == len(restores) and all(len(ts) >= spec["decode_tokens"] for ts in times.values()):
+            eng.abort_request(list(times))
+            break
         if due is None and all(times[r] for r in times):
             due = [now + spec["start_s"] + i * spec["stagger_s"] for i in range(len(restores))]
         if due is not None:
@@ -68,6 +76,8 @@ def run_phase(s: Session, spec: dict[str, Any], tag: str, restores: list[list[in
                 times[o.request_id] += [now] * (n - len(times[o.request_id]))
             elif o.request_id in added and o.request_id not in ttft and o.outputs[0].token_ids:
                 ttft[o.request_id] = (now - added[o.request_id]) * 1000
+    while eng.has_unfinished_requests():  # aborted streams leave the engine
+        eng.step()
     itl = [(b - a) * 1000 for ts in times.values() for a, b in itertools.pairwise(ts)]
     return {"itl_ms": itl, "restore_ttft_ms": [ttft.get(f"{tag}-r{i}") for i in range(len(restores))],
             "decode_s": max(ts[-1] for ts in times.values()) - min(ts[0] for ts in times.values())}

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ._restore_interference import MAX_DECODE_FACTOR
 from .restore import engine_base, load_async_extra, object_tier, require_vllm, run_plan
 
 MODULE = "dynamo_tiered_kv.bench._restore_interference"
@@ -133,6 +134,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work / "ssd", ignore_errors=True)
     base = engine_base(work, args.context, args.block_size, QWEN2_BENCH_SPEC)
+    # room for every request at once: no restore waits for KV space the streams hold
+    per_stream = args.decode_prompt_tokens + args.decode_tokens * MAX_DECODE_FACTOR
+    base["gpu_blocks"] = (args.restores * base["max_model_len"] + args.streams * per_stream) // args.block_size + 16
     longs = [synthetic_tokens(args.context, seed=9100 + i, vocab_size=QWEN2_BENCH_SPEC.vocab_size)
              for i in range(args.restores)]
     obj, obj_desc = object_tier(args, work)

@@ -150,11 +150,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "object" in tiers:
         plan.append(("object", {**dtkv, **s3_raw, "raw_tier": "object", "wipe_ssd": True,
                                 "extra_config": {"host_capacity_bytes": 0, **obj, **common}}))
-    plan.append(("recompute", {"connector": None, "long": long, "short": short, "rounds": args.recompute_rounds}))
+    plan.append(("recompute", {"connector": None, "long": long, "short": short, "rounds": args.recompute_rounds,
+                               "warm": False}))
     if not args.skip_example:
         plan += [("example-store", {**ex, "store_first": True, "rounds": 0}),
                  ("example", {**ex, "rounds": args.rounds, "evict": [str(work / "example")]})]
-    steps = [p[1].get("rounds", 0) + 1 + bool(p[1].get("store_first")) for p in plan]
+    steps = [p[1]["rounds"] + p[1].get("warm", True) + bool(p[1].get("store_first")) for p in plan]
     print(f"dtkv bench restore: {model_desc(QWEN2_BENCH_SPEC)}; prompts {args.context} / {args.short} tokens, "
           f"block {args.block_size}; object tier: {obj_desc}; {len(plan)} engine sessions; output {work}",
           file=sys.stderr, flush=True)
