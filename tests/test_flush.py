@@ -46,6 +46,7 @@ async def _flush_all(src, tmp_path: Path) -> Flusher:
     """Run a flusher over ``src`` into a local-directory object tier until it has drained."""
     tier = ObjectTier(LocalDirBackend(tmp_path / "obj"))
     await tier.open()
+    await tier.wait_ready()  # open() returns at once; the index builds in the background
     fl = Flusher(src, tier, scan_interval_s=0.05)
     await fl.start()
     try:
@@ -66,6 +67,7 @@ async def test_flushes_every_sealed_segment(tmp_path: Path) -> None:
     assert st.lag_bytes == 0 and st.failures == 0 and st.in_flight == 0
     fresh = ObjectTier(LocalDirBackend(tmp_path / "obj"))  # a restart: index from manifests
     await fresh.open()
+    await fresh.wait_ready()  # open() returns at once; the index builds in the background
     try:
         await _restore_all(fresh, [s for s, _ in made], [r for _, r in made])
     finally:
@@ -79,6 +81,7 @@ async def test_backpressure_bounds_the_queue(tmp_path: Path) -> None:
     backend = GatedBackend(tmp_path / "obj")
     tier = ObjectTier(backend)
     await tier.open()
+    await tier.wait_ready()  # open() returns at once; the index builds in the background
     fl = Flusher(src, tier, max_queue=2, concurrency=1, scan_interval_s=0.02)
     await fl.start()
     try:
@@ -113,6 +116,7 @@ async def test_failures_are_counted_then_retried(tmp_path: Path, moto_s3: S3Serv
                         breaker_threshold=1000)
     tier = ObjectTier(backend)
     await tier.open()
+    await tier.wait_ready()  # open() returns at once; the index builds in the background
     proxy.set_mode("http503")
     fl = Flusher(src, tier, scan_interval_s=0.05, retry_base_s=0.05, retry_max_s=0.2)
     await fl.start()
@@ -145,6 +149,7 @@ async def test_crash_mid_upload_publishes_nothing_then_resumes(tmp_path: Path, m
     kwargs = {**moto_s3.backend_kwargs(), "endpoint_url": proxy.endpoint, "part_bytes": 5 << 20}
     tier = ObjectTier(S3Backend(bucket, "p/", **kwargs))
     await tier.open()
+    await tier.wait_ready()  # open() returns at once; the index builds in the background
     proxy.delay_s = 1.0
     proxy.set_mode("delay")  # uploads crawl
     fl = Flusher(src, tier, scan_interval_s=0.05)
@@ -164,6 +169,7 @@ async def test_crash_mid_upload_publishes_nothing_then_resumes(tmp_path: Path, m
     src2 = FakeSegmentSource(tmp_path / "ssd")  # restart: progress comes from the SSD side
     tier2 = ObjectTier(S3Backend(bucket, "p/", **kwargs))
     await tier2.open()
+    await tier2.wait_ready()  # open() returns at once; the index builds in the background
     fl2 = Flusher(src2, tier2, scan_interval_s=0.05)
     await fl2.start()
     try:
@@ -185,6 +191,7 @@ async def test_reflush_is_idempotent(tmp_path: Path) -> None:
     seg, _ = src.add_segment(4, seed=30)
     tier = ObjectTier(LocalDirBackend(tmp_path / "obj"))
     await tier.open()
+    await tier.wait_ready()  # open() returns at once; the index builds in the background
     try:
         m1 = await tier.publish_segment(seg)
         m2 = await tier.publish_segment(seg)
@@ -233,6 +240,7 @@ async def test_segment_flushed_during_a_scan_is_not_queued_again(tmp_path: Path)
     seg, _ = src.add_segment(2, seed=0)
     tier = ObjectTier(LocalDirBackend(tmp_path / "obj"))
     await tier.open()
+    await tier.wait_ready()  # open() returns at once; the index builds in the background
     fl = Flusher(src, tier, scan_interval_s=0.02)
     uploading = threading.Event()
     overlaps = 0

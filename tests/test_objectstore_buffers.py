@@ -28,6 +28,7 @@ async def _two_objects(root: Path, **kw: object) -> tuple[ObjectTier, LocalDirBa
     be = LocalDirBackend(root)
     tier = ObjectTier(be, verify_reads=False, **kw)  # type: ignore[arg-type]
     await tier.open()
+    await tier.wait_ready()  # open() returns at once; the index builds in the background
     await tier.write_many([(KA, memoryview(b"a" * 4096))])  # data object 1
     await tier.write_many([(KB, memoryview(b"b" * 4096))])  # data object 2
     return tier, be

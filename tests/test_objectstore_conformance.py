@@ -21,6 +21,7 @@ class TestObjectTierLocalDir(TierConformanceTests):
         await tier.close()
         t = await self.make_tier(tmp_path, capacity_bytes)
         await t.open()
+        assert await t.wait_ready(30)  # open() returns at once; the index builds in the background
         return t
 
 
@@ -41,6 +42,7 @@ class _S3Conformance(TierConformanceTests):
         await tier.close()
         t = await self.make_tier(tmp_path, capacity_bytes)
         await t.open()
+        assert await t.wait_ready(30)  # open() returns at once; the index builds in the background
         return t
 
 

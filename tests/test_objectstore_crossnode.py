@@ -55,6 +55,7 @@ async def test_second_process_restores_what_this_one_flushed(tmp_path: Path, sto
     made = [src.add_segment(12, seed=70 + i) for i in range(3)]
     tier = ObjectTier(_backend(url, kw))
     await tier.open()
+    await tier.wait_ready()  # open() returns at once; the index builds in the background
     fl = Flusher(src, tier, scan_interval_s=0.05)
     await fl.start()
     try:
@@ -115,6 +116,7 @@ async def test_sigkill_mid_upload_leaves_nothing_visible(tmp_path: Path, moto_s3
     # Restart: this process resumes the flush from the SSD side's durable progress.
     tier = ObjectTier(S3Backend(bucket, "k/", **kw))
     await tier.open()
+    await tier.wait_ready()  # open() returns at once; the index builds in the background
     fl = Flusher(FakeSegmentSource(src.root), tier, scan_interval_s=0.05)
     await fl.start()
     try:

@@ -50,6 +50,7 @@ async def _tier(server: S3Server, proxy: FaultProxy, **kw: object) -> ObjectTier
                                          "create_bucket": False}, **opts)  # type: ignore[arg-type]
     tier = ObjectTier(backend, read_timeout_s=10)
     await tier.open()
+    await tier.wait_ready(30)  # open() returns at once; the index builds in the background
     return tier
 
 
@@ -91,6 +92,7 @@ async def _tier_reopen(tier: ObjectTier, proxy: FaultProxy) -> ObjectTier:
                    secret_key=b._secret_key, retry=FAST, breaker_threshold=1000)
     t = ObjectTier(nb, read_timeout_s=10)
     await t.open()
+    await t.wait_ready(30)  # open() returns at once; the index builds in the background
     return t
 
 
@@ -122,6 +124,7 @@ async def test_connection_cut_mid_body_misses_within_the_retry_budget(server: S3
     backend = S3Backend(bucket, "m/", **{**server.backend_kwargs(), "endpoint_url": proxy.endpoint})
     tier = ObjectTier(backend)  # defaults: RetryPolicy(), read_timeout_s=30
     await tier.open()
+    await tier.wait_ready(30)  # open() returns at once; the index builds in the background
     recs = _recs(4, layers=16)  # ~70 KiB records: one ~280 KiB GET
     await tier.write_many((k, memoryview(v)) for k, v in recs)
     proxy.body_after = 20_000

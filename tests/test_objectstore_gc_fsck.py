@@ -33,6 +33,7 @@ async def test_gc_expires_manifests_then_deletes_data_after_grace(tmp_path: Path
     root = tmp_path / "obj"
     tier = ObjectTier(LocalDirBackend(root))
     await tier.open()
+    await tier.wait_ready()  # open() returns at once; the index builds in the background
     old, new = _recs(0, 3), _recs(100, 3)
     await tier.write_many((k, memoryview(v)) for k, v in old)
     t_mid = time.time()
@@ -40,6 +41,7 @@ async def test_gc_expires_manifests_then_deletes_data_after_grace(tmp_path: Path
     await tier.write_many((k, memoryview(v)) for k, v in new)
     reader = ObjectTier(LocalDirBackend(root))  # another node that listed before the GC
     await reader.open()
+    await reader.wait_ready()  # open() returns at once; the index builds in the background
     backend = LocalDirBackend(root)
 
     dry = await gc_objects(backend, ttl_s=10, grace_s=60, now=t_mid + 10, dry_run=True)
@@ -53,6 +55,7 @@ async def test_gc_expires_manifests_then_deletes_data_after_grace(tmp_path: Path
     assert await _read(reader, old[0][0], len(old[0][1])) == old[0][1]
     fresh = ObjectTier(LocalDirBackend(root))
     await fresh.open()
+    await fresh.wait_ready()  # open() returns at once; the index builds in the background
     assert not any(fresh.contains(k) for k, _ in old) and all(fresh.contains(k) for k, _ in new)
 
     again = await gc_objects(backend, ttl_s=None, grace_s=60, now=time.time() + 61)
@@ -87,6 +90,7 @@ def test_gc_and_fsck_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     async def fill() -> list[tuple[bytes, bytes]]:
         tier = ObjectTier(LocalDirBackend(root))
         await tier.open()
+        await tier.wait_ready()  # open() returns at once; the index builds in the background
         recs = _recs(200, 4)
         await tier.write_many((k, memoryview(v)) for k, v in recs)
         await tier.close()
@@ -119,6 +123,7 @@ async def test_corrupt_object_is_a_miss_never_served(tmp_path: Path, moto_s3: S3
     bucket = unique_bucket("corrupt")
     tier = ObjectTier(S3Backend(bucket, **moto_s3.backend_kwargs()))
     await tier.open()
+    await tier.wait_ready()  # open() returns at once; the index builds in the background
     recs = _recs(300, 3)
     await tier.write_many((k, memoryview(v)) for k, v in recs)
     name, entry = tier.location(recs[1][0])
@@ -136,6 +141,7 @@ async def test_damaged_manifest_is_ignored(tmp_path: Path) -> None:
     root = tmp_path / "obj"
     tier = ObjectTier(LocalDirBackend(root))
     await tier.open()
+    await tier.wait_ready()  # open() returns at once; the index builds in the background
     recs = _recs(400, 2)
     await tier.write_many((k, memoryview(v)) for k, v in recs)
     await tier.close()
@@ -143,5 +149,6 @@ async def test_damaged_manifest_is_ignored(tmp_path: Path) -> None:
     man.write_bytes(man.read_bytes().replace(b'"data_size":', b'"data_size":1'))
     again = ObjectTier(LocalDirBackend(root))
     await again.open()
+    await again.wait_ready()  # open() returns at once; the index builds in the background
     assert again.usage().num_blocks == 0
     await again.close()

@@ -32,6 +32,7 @@ async def _read(tier: ObjectTier, key: bytes, n: int) -> bytes | None:
 async def _open(root: Path, **kw: object) -> ObjectTier:
     t = ObjectTier(LocalDirBackend(root), **kw)  # type: ignore[arg-type]
     await t.open()
+    await t.wait_ready()  # open() returns at once; the index builds in the background
     return t
 
 

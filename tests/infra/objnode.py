@@ -28,6 +28,7 @@ from infra.segments_fake import FakeSegmentSource
 async def restore(args: dict) -> dict:
     tier = ObjectTier(backend_from_url(args["url"], **args.get("s3", {})))
     await tier.open()
+    await tier.wait_ready()  # open() returns at once; the index builds in the background
     host = HostTier(64 << 20, pin=False)
     pool = StagingPool(32 << 20, 1, pin=False)
     out: dict = {"prefixes": [], "blocks_indexed": tier.usage().num_blocks}
@@ -63,6 +64,7 @@ async def flush(args: dict) -> dict:
     src = FakeSegmentSource(Path(args["ssd"]))
     tier = ObjectTier(backend_from_url(args["url"], **args.get("s3", {})))
     await tier.open()
+    await tier.wait_ready()  # open() returns at once; the index builds in the background
     fl = Flusher(src, tier, scan_interval_s=0.05)
     await fl.start()
     print(json.dumps({"started": True}), flush=True)

@@ -111,8 +111,15 @@ class ObjectBackend(abc.ABC):
         """Size and mtime of ``name``, or None if missing."""
 
     @abc.abstractmethod
-    async def list(self, prefix: str = "") -> list[ObjectInfo]:
-        """Every published object whose name starts with ``prefix`` (never temp or partial ones)."""
+    async def list(self, prefix: str = "", *, start_after: str = "") -> list[ObjectInfo]:
+        """Every published object whose name starts with ``prefix`` (never temp or partial ones),
+        in lexicographic (S3) order; with ``start_after`` only names after it (S3 ``StartAfter``)."""
+
+    async def list_dirs(self, prefix: str) -> list[str]:
+        """Names of the "directories" right under ``prefix`` (S3 ``CommonPrefixes``), without
+        ``prefix`` or the trailing ``/``. Default: derived from a full listing."""
+        return sorted({o.name[len(prefix):].split("/", 1)[0] for o in await self.list(prefix)
+                       if "/" in o.name[len(prefix):]})
 
     @abc.abstractmethod
     async def delete(self, name: str) -> bool:

@@ -107,27 +107,37 @@ def _get_range(path: Path, offset: int, dests: Sequence[memoryview]) -> int | No
         os.close(fd)
 
 
-def _list(root: Path, prefix: str) -> list[ObjectInfo]:
-    # Walk only the directory part of the prefix.
+def _list(root: Path, prefix: str, start_after: str = "") -> list[ObjectInfo]:
+    # Walk only the directory part of the prefix; filter names before the (costly) stat.
     base = root / prefix.rsplit("/", 1)[0] if "/" in prefix else root
-    out: list[ObjectInfo] = []
     if not base.is_dir():
-        return out
+        return []
+    names: list[str] = []
     for dirpath, _dirs, files in os.walk(base):
+        rel = Path(dirpath).relative_to(root).as_posix()
+        rel = "" if rel == "." else rel + "/"
         for f in files:
             if f.startswith("."):
                 continue  # temp / partial files are never visible
-            p = Path(dirpath) / f
-            name = p.relative_to(root).as_posix()
-            if not name.startswith(prefix):
-                continue
-            try:
-                st = p.stat()
-            except FileNotFoundError:
-                continue
-            out.append(ObjectInfo(name, st.st_size, st.st_mtime))
-    out.sort(key=lambda o: o.name)
+            name = rel + f
+            if name.startswith(prefix) and name > start_after:
+                names.append(name)
+    names.sort()
+    out: list[ObjectInfo] = []
+    for name in names:
+        try:
+            st = (root / name).stat()
+        except FileNotFoundError:
+            continue
+        out.append(ObjectInfo(name, st.st_size, st.st_mtime))
     return out
+
+
+def _list_dirs(root: Path, prefix: str) -> list[str]:
+    try:
+        return sorted(e.name for e in os.scandir(root / prefix) if e.is_dir() and not e.name.startswith("."))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def _head(path: Path, name: str) -> ObjectInfo | None:
@@ -210,9 +220,13 @@ class LocalDirBackend(ObjectBackend):
         self.stats.heads += 1
         return await self._io(_head, self._path(name), name)
 
-    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+    async def list(self, prefix: str = "", *, start_after: str = "") -> list[ObjectInfo]:
         self.stats.lists += 1
-        return await self._io(_list, self.root, prefix)
+        return await self._io(_list, self.root, prefix, start_after)
+
+    async def list_dirs(self, prefix: str) -> list[str]:
+        self.stats.lists += 1
+        return await self._io(_list_dirs, self.root, prefix)
 
     async def delete(self, name: str) -> bool:
         self.stats.deletes += 1

@@ -4,7 +4,9 @@ Layout under a backend prefix (docs/OBJECTS.md has the full format)::
 
     data/<digest>.seg         immutable data object: records back to back (a sealed SSD segment
                               file, or a run packed by ObjectTier.write_many)
-    manifests/<mdigest>.json  which records a data object holds: [(key, offset, length), ...]
+    manifests/t<ms>-<mdigest>.json  which records a data object holds: [(key, offset, length), ...]
+                              (<ms>: 13-digit created_at in ms, so names list in time order;
+                              legacy manifests/<mdigest>.json names are still read)
 
 ``digest`` is content-addressed: BLAKE2b-128 over the object size and, per record, its key,
 offset, length and an xxh3-128 of its first 4 KiB (the record header, which carries the payload
@@ -29,6 +31,7 @@ import xxhash
 from ...errors import TieredKVError
 from ...keys import KEY_BYTES
 from ..segments import SegmentEntry
+from .layout import manifest_name
 
 MANIFEST_VERSION = 1
 DATA_DIR = "data/"
@@ -97,7 +100,7 @@ class Manifest:
         h.update(self.data.encode())
         for e in self.entries:
             h.update(_ENTRY.pack(e.key, e.offset, e.length))
-        return f"{MANIFEST_DIR}{h.hexdigest()}.json"
+        return manifest_name(self.created_at, h.hexdigest())  # time-ordered: listings resume with StartAfter
 
     @property
     def live_bytes(self) -> int:

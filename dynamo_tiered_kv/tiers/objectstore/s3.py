@@ -413,20 +413,34 @@ class S3Backend(ObjectBackend):
         self.stats.heads += 1
         return await self._call(attempt, f"HEAD {key}")
 
-    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+    async def list(self, prefix: str = "", *, start_after: str = "") -> list[ObjectInfo]:
         full = self._key(prefix)
         cut = len(self.prefix)
+        extra = {"StartAfter": self._key(start_after)} if start_after else {}
 
         async def attempt() -> list[ObjectInfo]:
             out: list[ObjectInfo] = []
             paginator = self._client.get_paginator("list_objects_v2")
-            async for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=full, **extra):
                 for o in page.get("Contents", []):
                     out.append(ObjectInfo(o["Key"][cut:], int(o["Size"]), o["LastModified"].timestamp()))
             return out
 
         self.stats.lists += 1
         return await self._call(attempt, f"LIST {full}")
+
+    async def list_dirs(self, prefix: str) -> list[str]:
+        full = self._key(prefix)
+
+        async def attempt() -> list[str]:
+            out: list[str] = []
+            paginator = self._client.get_paginator("list_objects_v2")
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=full, Delimiter="/"):
+                out += [p["Prefix"][len(full):].rstrip("/") for p in page.get("CommonPrefixes", [])]
+            return sorted(out)
+
+        self.stats.lists += 1
+        return await self._call(attempt, f"LIST {full}/*")
 
     async def delete(self, name: str) -> bool:
         key = self._key(name)

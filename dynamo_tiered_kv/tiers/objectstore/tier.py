@@ -33,8 +33,10 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from ...codec import verify_record
 from ...errors import NamespaceMismatch, RecordError, TierFull, TierUnavailable
@@ -42,14 +44,22 @@ from ...keys import BlockKey
 from ..base import ByteRange, ReadRequest, Tier, TierCapabilities, TierUsage, check_range
 from ..segments import SealedSegment, SegmentEntry
 from .backend import FileSource, ObjectBackend
+from .catalog import Catalog, Parsed, parse_manifest
+from .layout import SNAPSHOT_NAME, NamespaceView, manifest_after, ns_prefix
 from .manifest import MANIFEST_DIR, Manifest, ManifestError, content_digest, data_name, tombstone_name
 from .quarantine import new_marker, record_fails, write_marker
 from .retry import with_timeout
+from .snapshot import SnapshotError
+from .snapshot import decode as decode_snapshot
+from .snapshot import encode as encode_snapshot
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY_BYTES = 1 << 50  # the bucket is the bound; set a real budget in config
 DEFAULT_TTL_S = 14 * 86400.0
+LIST_LAG_MS = 120_000  # incremental listings re-cover 2 min: clock skew, manifests still in flight
+INGEST_BATCH = 4096  # manifests fetched and indexed per step
+REDO_WINDOW_S = 6 * 3600.0  # a publish of data this recent reuses its mtime as created_at
 
 
 @dataclass
@@ -67,13 +77,41 @@ class ObjectTierStats:
     objects_deduplicated: int = 0  # publish found the data already there (another node)
     evicted_objects: int = 0
     reuploaded_objects: int = 0  # data deleted (by gc) between our data and manifest puts
+    snapshot_loads: int = 0  # index builds that started from a snapshot
+    snapshot_rejected: int = 0  # snapshots ignored (checksum, format): rebuilt from manifests
+    snapshots_written: int = 0
+    index_build_s: float = 0.0  # duration of the last background index build
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
+class _Ref:
+    data: str
+
+
 class _Obj:
-    name: str  # manifest object name
-    manifest: Manifest
-    live: dict[BlockKey, SegmentEntry] = field(default_factory=dict)
+    """A handle on one indexed object, made on lookup (the index itself holds only numbers)."""
+
+    __slots__ = ("_cat", "id", "manifest")
+
+    def __init__(self, cat: Catalog, i: int) -> None:
+        self.id, self._cat = i, cat
+        self.manifest = _Ref(cat.data_name(i))
+
+    @property
+    def live(self) -> range:
+        return range(int(np.count_nonzero(self._cat.index.obj == self.id)))
+
+
+class _IndexView:
+    """``key -> (_Obj, SegmentEntry)`` over the catalog, as the read path expects it."""
+
+    def __init__(self, tier: ObjectTier) -> None:
+        self._tier = tier
+
+    def get(self, key: BlockKey) -> tuple[_Obj, SegmentEntry] | None:
+        cat = self._tier._cat
+        loc = cat.index.get(key)
+        return None if loc is None else (_Obj(cat, loc[0]), SegmentEntry(key, loc[1], loc[2]))
 
 
 @dataclass
@@ -110,10 +148,13 @@ class ObjectTier(Tier):
     def __init__(self, backend: ObjectBackend, *, capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
                  ttl_s: float | None = DEFAULT_TTL_S, verify_reads: bool = True, read_timeout_s: float = 30.0,
                  max_concurrency: int = 8, refresh_interval_s: float | None = None, origin: str = "",
-                 namespace: bytes | None = None) -> None:
+                 namespace: bytes | None = None, snapshot_every: int = 64, full_refresh_every: int = 10,
+                 read_legacy: bool = True) -> None:
         if capacity_bytes <= 0 or max_concurrency < 1 or read_timeout_s <= 0:
             raise ValueError("capacity_bytes, max_concurrency and read_timeout_s must be positive")
-        self.backend = backend
+        self.root_backend = backend
+        # a namespaced tier lives under ns/<hex>/ and never lists another namespace
+        self.backend: ObjectBackend = NamespaceView(backend, ns_prefix(namespace)) if namespace else backend
         self.capacity_bytes = capacity_bytes
         self.ttl_s = ttl_s
         self.verify_reads = verify_reads
@@ -122,144 +163,226 @@ class ObjectTier(Tier):
         self.refresh_interval_s = refresh_interval_s
         self.origin = origin or f"{os.uname().nodename}:{os.getpid()}"
         self.namespace = namespace
+        self.snapshot_every = snapshot_every
+        self.full_refresh_every = full_refresh_every
+        self.read_legacy = read_legacy and namespace is not None
         self.stats = ObjectTierStats()
-        self._objs: dict[str, _Obj] = {}
-        self._index: dict[BlockKey, tuple[_Obj, SegmentEntry]] = {}
-        self._holders: dict[BlockKey, set[str]] = {}  # key -> manifests listing it
-        self._used = 0
+        self._cat = Catalog(namespaced=namespace is not None)
+        self._index = _IndexView(self)
+        self._fresh: list[Manifest] = []  # own publishes while the index builds (replayed on swap)
         self._lock = asyncio.Lock()
         self._sem = asyncio.Semaphore(max_concurrency)
         self._refresher: asyncio.Task[None] | None = None
+        self._starter: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[None]] = set()
-        self._expired: set[str] = set()  # manifests past their TTL: not indexed, not refetched
-        # (data object, offset) per key that this node no longer serves (delete, failed reads);
-        # local only, so one node's bad read never removes shared data for the others
-        self._excluded: dict[BlockKey, set[tuple[str, int]]] = {}
+        self._backend_open = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._since_snapshot = 0
         self.available = True
 
     def __repr__(self) -> str:
-        return f"ObjectTier({self.backend!r}, objects={len(self._objs)}, blocks={len(self._index)})"
+        return f"ObjectTier({self.backend!r}, objects={self._cat.objs.n}, blocks={len(self._cat)})"
 
     # --- index (memory only) --------------------------------------------------------------------
+    @property
+    def index_ready(self) -> bool:
+        """True once the index holds the namespace's manifests (until then lookups miss)."""
+        return self._ready.is_set()
+
+    async def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the background index build finished; False on timeout."""
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            return False
+        return True
+
+    def index_bytes(self) -> int:
+        return self._cat.nbytes()
+
     def contains(self, key: BlockKey) -> bool:
-        return key in self._index
+        return self._cat.index.get(key) is not None
 
     def size_of(self, key: BlockKey) -> int | None:
-        loc = self._index.get(key)
-        return None if loc is None else loc[1].length
+        loc = self._cat.index.get(key)
+        return None if loc is None else loc[2]
 
     def keys(self) -> Iterator[BlockKey]:
-        return iter(list(self._index))
+        return self._cat.index.keys()
 
     def usage(self) -> TierUsage:
-        return TierUsage(self.capacity_bytes, self._used, len(self._index))
+        return TierUsage(self.capacity_bytes, self._cat.used, len(self._cat))
 
     def location(self, key: BlockKey) -> tuple[str, SegmentEntry] | None:
         """(data object name, entry) of ``key``; for tools and tests."""
         loc = self._index.get(key)
         return None if loc is None else (loc[0].manifest.data, loc[1])
 
-    def _add(self, name: str, m: Manifest) -> None:
-        obj = self._objs.get(name)
-        if obj is None:
-            obj = self._objs[name] = _Obj(name, m)
-        for e in m.entries:
-            self._holders.setdefault(e.key, set()).add(name)
-            if (m.data, e.offset) in self._excluded.get(e.key, ()):
-                continue
-            cur = self._index.get(e.key)
-            if cur is not None:
-                if cur[0] is obj or cur[0].manifest.created_at > m.created_at:
-                    continue
-                self._unlink(e.key)
-            self._index[e.key] = (obj, e)
-            obj.live[e.key] = e
-            self._used += e.length
-
-    def _unlink(self, key: BlockKey) -> None:
-        """Drop ``key`` from the index (its manifests are untouched)."""
-        loc = self._index.pop(key, None)
-        if loc is not None:
-            loc[0].live.pop(key, None)
-            self._used -= loc[1].length
-
     def _forget(self, obj: _Obj) -> None:
         """Drop an object from the index (remote state untouched)."""
-        self._objs.pop(obj.name, None)
-        for e in obj.manifest.entries:
-            hs = self._holders.get(e.key)
-            if hs is not None:
-                hs.discard(obj.name)
-                if not hs:
-                    del self._holders[e.key]
-        for k in list(obj.live):
-            self._unlink(k)
+        if obj._cat is self._cat:
+            self._cat.forget([obj.id])
 
     # --- lifecycle --------------------------------------------------------------------------------
     async def open(self) -> None:
-        await self.backend.open()
-        try:
-            await self.refresh()
-        except TierUnavailable as e:  # degrade: start empty, serve misses, retry on refresh
-            self.available = False
-            log.warning("object tier %s unavailable at open (%s); starting empty", self.backend.url, e)
+        """Return at once: the backend opens and the index builds in the background. Until it is
+        ready the tier serves misses and writes still work; no bucket size delays the caller."""
+        if self._starter is None:
+            self._starter = asyncio.create_task(self._start())
+
+    async def _start(self) -> None:
+        delay = 0.5
+        while True:
+            try:
+                await self.root_backend.open()
+                break
+            except (TierUnavailable, OSError) as e:
+                self.available = False
+                log.warning("object tier %s cannot open (%s); retrying in %.0fs", self.backend.url, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(30.0, delay * 2)
+        self._backend_open.set()
+        delay = 0.5
+        while True:
+            try:
+                await self._build()
+                break
+            except TierUnavailable as e:  # degrade: serve misses, keep trying
+                self.available = False
+                log.warning("object tier %s unavailable while indexing (%s); retrying in %.0fs",
+                            self.backend.url, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(30.0, delay * 2)
         if self.refresh_interval_s and self._refresher is None:
             self._refresher = asyncio.create_task(self._refresh_loop())
 
     async def close(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
-            self._refresher = None
+        for t in (self._refresher, self._starter):
+            if t is not None and not t.done():
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+        self._refresher = self._starter = None
         if self._bg:
             await asyncio.gather(*self._bg, return_exceptions=True)
-        await self.backend.close()
+        if self._backend_open.is_set():
+            await self.root_backend.close()
 
     async def _refresh_loop(self) -> None:
         assert self.refresh_interval_s
+        n = 0
         while True:
             await asyncio.sleep(self.refresh_interval_s)
+            n += 1
             try:
-                await self.refresh()
+                await self.refresh(full=n % self.full_refresh_every == 0)
             except TierUnavailable as e:
                 log.debug("object tier refresh failed: %s", e)
 
-    async def refresh(self) -> None:
-        """Reconcile the index with the manifests in the store (other nodes' work included).
+    def _cutoff(self) -> float | None:
+        return None if self.ttl_s is None else time.time() - self.ttl_s
+
+    async def _build(self) -> None:
+        """Snapshot (one GET) + manifests newer than it, or a full listing; then the legacy root."""
+        t0 = time.monotonic()
+        cat = Catalog(namespaced=self.namespace is not None)
+        cutoff = self._cutoff()
+        snap = await self.backend.get_bytes(SNAPSHOT_NAME)
+        if snap is not None:
+            try:
+                cat.load_snapshot(await asyncio.to_thread(decode_snapshot, snap), cutoff)
+                self.stats.snapshot_loads += 1
+            except SnapshotError as e:  # never trusted: rebuilt from the manifests
+                self.stats.snapshot_rejected += 1
+                log.warning("ignoring index snapshot of %s: %s", self.backend.url, e)
+                cat = Catalog(namespaced=self.namespace is not None)
+        await self._ingest_listing(cat, incremental=cat.objs.n > 0, private=True)
+        if self.read_legacy:
+            legacy = [o.name for o in await self.root_backend.list(MANIFEST_DIR) if o.name.endswith(".json")]
+            known = cat.names(root=True)
+            await self._ingest(cat, [n for n in legacy if n not in known], root=True, private=True)
+        async with self._lock:
+            for m in self._fresh:
+                cat.add_fresh(m.name, m.data, m.created_at, ((e.key, e.offset, e.length) for e in m.entries))
+            cat.excl_loc.update(self._cat.excl_loc)
+            cat.excl_key |= self._cat.excl_key
+            self._cat, self._fresh = cat, []
+            self._enforce_capacity_locked()
+        self._ready.set()
+        self.available = True
+        self.stats.index_build_s = time.monotonic() - t0
+        log.info("object tier %s indexed %d blocks in %.2fs", self.backend.url, len(cat), self.stats.index_build_s)
+
+    async def refresh(self, *, full: bool = True) -> None:
+        """Pick up other nodes' manifests. ``full`` lists the whole namespace prefix and also drops
+        manifests deleted elsewhere; otherwise only names newer than the newest seen (minus
+        ``LIST_LAG_MS`` for clock skew) are listed (``StartAfter``).
 
         Raises:
             TierUnavailable: the store cannot be listed.
         """
-        listed = await self.backend.list(MANIFEST_DIR)
-        names = {o.name for o in listed if o.name.endswith(".json")}
-        self._expired &= names
-        new = [n for n in names if n not in self._objs and n not in self._expired]
-        fetched = await asyncio.gather(*(self._fetch_manifest(n) for n in new))
-        cutoff = None if self.ttl_s is None else time.time() - self.ttl_s
-        async with self._lock:
-            for obj in [o for n, o in self._objs.items() if n not in names]:
-                self._forget(obj)  # deleted elsewhere (gc, another node's delete)
-            for n, m in sorted(zip(new, fetched), key=lambda nm: nm[1].created_at if nm[1] else 0.0):
-                if m is None:
-                    continue
-                if cutoff is not None and m.created_at < cutoff:
-                    self._expired.add(n)
-                else:
-                    self._add(n, m)
-            self._enforce_capacity_locked()
+        if not self._ready.is_set():
+            if self._starter is None:
+                await self.open()
+            await self._ready.wait()
+            return
+        await self._ingest_listing(self._cat, incremental=not full, private=False)
         self.available = True
 
-    async def _fetch_manifest(self, name: str) -> Manifest | None:
-        async with self._sem:
-            raw = await self.backend.get_bytes(name)
-        if raw is None:
-            return None
-        try:
-            return Manifest.from_bytes(raw)
-        except ManifestError as e:
-            log.warning("ignoring manifest %s: %s", name, e)
-            return None
+    async def _ingest_listing(self, cat: Catalog, *, incremental: bool, private: bool) -> None:
+        if incremental:
+            since = cat.watermark_ms - LIST_LAG_MS
+            listed = await self.backend.list(MANIFEST_DIR, start_after=manifest_after(since))
+            known = cat.names(since)
+        else:
+            listed = await self.backend.list(MANIFEST_DIR)
+            known = cat.names()
+        names = {o.name for o in listed if o.name.endswith(".json")}
+        if not incremental:  # deleted elsewhere (gc, another node's eviction)
+            gone = [i for n, i in known.items() if n not in names]
+            if gone:
+                async with self._lock:
+                    cat.forget(gone)
+        await self._ingest(cat, sorted(n for n in names if n not in known), root=False, private=private)
+
+    async def _ingest(self, cat: Catalog, names: list[str], *, root: bool, private: bool) -> None:
+        """Fetch manifests (``max(16, max_concurrency)`` at a time) and index them in batches."""
+        be = self.root_backend if root else self.backend
+        sem = asyncio.Semaphore(max(16, self.max_concurrency))
+        cutoff = self._cutoff()
+
+        async def fetch(n: str) -> tuple[str, Parsed | None]:
+            async with sem:
+                raw = await be.get_bytes(n)
+            if raw is None:
+                return n, None
+            try:
+                return n, parse_manifest(raw)
+            except ManifestError as e:
+                log.warning("ignoring manifest %s: %s", n, e)
+                return n, None
+
+        for i in range(0, len(names), INGEST_BATCH):
+            got = [g for g in await asyncio.gather(*(fetch(n) for n in names[i:i + INGEST_BATCH]))
+                   if g[1] is not None]
+            if private:  # nobody else sees this catalog yet: index off the event loop
+                await asyncio.to_thread(cat.add_parsed, got, cutoff=cutoff, root=root)
+            else:
+                async with self._lock:
+                    cat.add_parsed(got, cutoff=cutoff, root=root)
+                    self._enforce_capacity_locked()
+
+    async def write_snapshot(self) -> bool:
+        """Publish this node's compacted index as the namespace's snapshot (only when complete)."""
+        if not self._ready.is_set():
+            return False
+        async with self._lock:
+            snap = self._cat.to_snapshot()
+        raw = await asyncio.to_thread(encode_snapshot, snap)
+        await self.backend.put_object(SNAPSHOT_NAME, raw)
+        self._since_snapshot = 0
+        self.stats.snapshots_written += 1
+        return True
 
     # --- reads ----------------------------------------------------------------------------------
     async def read_into(self, key: BlockKey, into: memoryview, byte_range: ByteRange | None = None) -> int | None:
@@ -351,10 +474,7 @@ class ObjectTier(Tier):
 
     def _exclude(self, key: BlockKey, data: str, offset: int) -> None:
         """Stop serving ``key`` at this location on this node (nothing remote changes)."""
-        self._excluded.setdefault(key, set()).add((data, offset))
-        loc = self._index.get(key)
-        if loc is not None and loc[0].manifest.data == data and loc[1].offset == offset:
-            self._unlink(key)
+        self._cat.exclude(key, data, offset)
 
     async def _quarantine(self, key: BlockKey, data: str, offset: int, length: int, reason: str) -> None:
         await write_marker(self.backend, new_marker(data, offset, length, key, reason, self.origin))
@@ -387,11 +507,9 @@ class ObjectTier(Tier):
             pos += v.nbytes
         digest = content_digest(total, entries, lambda o, n: bytes(buf[o:o + n]))
         m = await self._publish(digest, memoryview(buf), total, tuple(entries), self.origin)
-        async with self._lock:
-            # Other manifests listing these keys are left alone (they may be other nodes' only
-            # copy of the rest of their records); the newest manifest wins in every index.
-            self._add_fresh(m)
-            self._enforce_capacity_locked()
+        # Other manifests listing these keys are left alone (they may be other nodes' only
+        # copy of the rest of their records); the newest manifest wins in every index.
+        await self._add_fresh(m)
 
     async def publish_segment(self, seg: SealedSegment) -> Manifest:
         """Upload a sealed segment file as one data object plus its manifest (idempotent).
@@ -403,19 +521,28 @@ class ObjectTier(Tier):
         digest = await asyncio.to_thread(_file_digest, seg.path, seg.size, seg.entries)
         m = await self._publish(digest, FileSource(Path(seg.path), seg.size), seg.size, seg.entries,
                                 f"{self.origin}/{seg.segment_id}")
-        async with self._lock:
-            self._add_fresh(m)
-            self._enforce_capacity_locked()
+        await self._add_fresh(m)
         return m
 
-    def _add_fresh(self, m: Manifest) -> None:
+    async def _add_fresh(self, m: Manifest) -> None:
         """Index what this node just published; it lifts this node's exclusions of those keys."""
-        for e in m.entries:
-            self._excluded.pop(e.key, None)
-        self._add(m.name, m)
+        async with self._lock:
+            if not self._ready.is_set():
+                self._fresh.append(m)  # replayed into the index being built when it is swapped in
+            self._cat.add_fresh(m.name, m.data, m.created_at, ((e.key, e.offset, e.length) for e in m.entries))
+            self._enforce_capacity_locked()
+        self._since_snapshot += 1
+        if self.snapshot_every and self._since_snapshot >= self.snapshot_every and self._ready.is_set():
+            self._since_snapshot = 0
+            self._spawn(self.write_snapshot())
 
     async def _publish(self, digest: str, src: memoryview | FileSource, size: int,
                        entries: tuple[SegmentEntry, ...], origin: str) -> Manifest:
+        if not self._backend_open.is_set():
+            try:
+                await asyncio.wait_for(self._backend_open.wait(), self.read_timeout_s)
+            except (asyncio.TimeoutError, TimeoutError):
+                raise TierUnavailable(f"object store {self.backend.url} is not open yet") from None
         dname = data_name(digest)
         if await self.backend.put_object(dname, src, if_absent=True):
             self.stats.objects_published += 1
@@ -424,7 +551,14 @@ class ObjectTier(Tier):
             # It may be an orphan that gc tombstoned: clear the tombstone before our manifest
             # exists, so a gc that checks it before deleting spares the object.
             await self.backend.delete(tombstone_name(dname))
-        m = Manifest(dname, size, time.time(), entries, origin)
+        # created_at = the data object's server mtime (its first publish) when recent: a redo after
+        # a crash, or another node flushing the same records, then writes the very same manifest
+        # name (time-ordered names would otherwise duplicate); an old tombstoned orphan restarts
+        # its retention instead.
+        info = await self.backend.head(dname)
+        now = time.time()
+        created = info.mtime if info is not None and 0 <= now - info.mtime < REDO_WINDOW_S else now
+        m = Manifest(dname, size, created, entries, origin)
         await self.backend.put_object(m.name, m.to_bytes(), if_absent=True)  # only after the data
         # A gc that listed manifests before ours existed may have deleted the data meanwhile:
         # check now that the manifest is visible (later gc runs see it) and upload again if so.
@@ -446,12 +580,7 @@ class ObjectTier(Tier):
         """
         async with self._lock:
             loc = self._index.get(key)
-            for n in self._holders.get(key, ()):
-                o = self._objs.get(n)
-                for e in o.manifest.entries if o is not None else ():
-                    if e.key == key:
-                        self._excluded.setdefault(key, set()).add((o.manifest.data, e.offset))
-            self._unlink(key)
+            self._cat.exclude_key(key)  # every copy, until this node writes the key again
         if loc is None:
             return False
         data, e = loc[0].manifest.data, loc[1]
@@ -465,14 +594,15 @@ class ObjectTier(Tier):
         return True
 
     def _enforce_capacity_locked(self) -> None:
-        if self._used <= self.capacity_bytes:
+        cat = self._cat
+        if cat.used <= self.capacity_bytes:
             return
-        for obj in sorted(self._objs.values(), key=lambda o: o.manifest.created_at):
-            if self._used <= self.capacity_bytes:
-                break
-            self._forget(obj)
-            self.stats.evicted_objects += 1
-            self._spawn(self.backend.delete(obj.name))  # data is left for gc (grace period)
+        victims = cat.oldest_until(cat.used - self.capacity_bytes)
+        names = [cat.manifest_name(int(i)) for i in victims]
+        cat.forget(victims)
+        self.stats.evicted_objects += len(names)
+        for n in names:
+            self._spawn(self.backend.delete(n))  # data is left for gc (grace period)
 
     def _spawn(self, coro) -> None:
         async def guarded() -> None:

@@ -1,0 +1,243 @@
+"""The object tier's view of one namespace: an ``ObjectTable`` plus a ``CompactObjectIndex``.
+
+Filled from a snapshot (``snapshot.py``), from manifests (parsed straight into numpy columns,
+no per-entry Python objects), and from this node's own publishes. Also keeps this node's
+exclusions (records it stopped serving; local only, never written back to the bucket).
+Not thread-safe: a catalog being built belongs to one worker thread until the tier swaps it in.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from ...keys import KEY_BYTES
+from .index import DEAD, U32_MAX, CompactObjectIndex, ObjectTable, split_keys
+from .layout import manifest_name_ms, parse_data_name, parse_manifest_name
+from .manifest import MANIFEST_VERSION, ManifestError
+from .snapshot import OBJ_DTYPE, Snapshot
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Parsed:
+    """A manifest as columns (``Manifest`` without per-entry objects)."""
+
+    data: str
+    data_size: int
+    created_at: float
+    keys: bytes  # n x 16
+    off: np.ndarray  # int64
+    len: np.ndarray  # int64
+
+
+def parse_manifest(raw: bytes) -> Parsed:
+    """Parse and check a manifest exactly as ``Manifest.from_bytes`` does, into columns."""
+    try:
+        doc = json.loads(raw)
+        body = doc["body"]
+        canon = json.dumps(body, separators=(",", ":"), sort_keys=True)
+        if xxhash.xxh3_64_hexdigest(canon.encode()) != doc["xxh3"]:
+            raise ManifestError("manifest checksum mismatch")
+        if body["version"] != MANIFEST_VERSION:
+            raise ManifestError(f"manifest version {body['version']} is not {MANIFEST_VERSION}")
+        ents = body["entries"]
+        keys = bytes.fromhex("".join(e[0] for e in ents))
+        off = np.array([e[1] for e in ents], dtype=np.int64).reshape(-1)
+        ln = np.array([e[2] for e in ents], dtype=np.int64).reshape(-1)
+        size = int(body["data_size"])
+        if (len(keys) != KEY_BYTES * len(ents) or any(len(e[0]) != 2 * KEY_BYTES for e in ents)
+                or (len(ents) and (off.min() < 0 or ln.min() <= 0 or int((off + ln).max()) > size))):
+            raise ManifestError(f"an entry does not fit a {size}-byte object")
+        return Parsed(str(body["data"]), size, float(body["created_at"]), keys, off, ln)
+    except ManifestError:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError, OverflowError) as e:
+        raise ManifestError(f"unreadable manifest: {type(e).__name__}: {e}") from None
+
+
+class Catalog:
+    """Objects and blocks of one namespace (see module docstring)."""
+
+    def __init__(self, *, namespaced: bool) -> None:
+        self.namespaced = namespaced
+        self.objs = ObjectTable()
+        self.index = CompactObjectIndex()
+        self.used = 0
+        self.watermark_ms = -1  # newest new-style manifest name seen
+        self.refused = 0  # entries not indexed (offset/length beyond 4 GiB)
+        self.excl_loc: dict[bytes, set[tuple[str, int]]] = {}
+        self.excl_key: set[bytes] = set()
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def nbytes(self) -> int:
+        return self.index.nbytes() + self.objs.nbytes()
+
+    # --- names ----------------------------------------------------------------------------------
+    def data_name(self, i: int) -> str:
+        if i in self.objs.odd:
+            return self.objs.odd[i][1]
+        r = self.objs.rows[i]
+        root = "/" if self.namespaced and r["flags"] & ObjectTable.ROOT else ""
+        return f"{root}data/{r['ddig'].tobytes().hex()}.seg"
+
+    def manifest_name(self, i: int) -> str:
+        if i in self.objs.odd:
+            return self.objs.odd[i][0]
+        r = self.objs.rows[i]
+        root = "/" if self.namespaced and r["flags"] & ObjectTable.ROOT else ""
+        md = r["mdig"].tobytes().hex()
+        return f"{root}manifests/{md}.json" if r["ms"] < 0 else root + manifest_name_ms(int(r["ms"]), md)
+
+    def names(self, since_ms: int | None = None, *, root: bool = False) -> dict[str, int]:
+        """Manifest name -> object id (of the namespace's own prefix, or of the legacy root)."""
+        v = self.objs.view
+        sel = (v["flags"] & ObjectTable.ROOT) == (ObjectTable.ROOT if root else 0)
+        if since_ms is not None:
+            sel &= v["ms"] >= since_ms
+        return {self.manifest_name(int(i)).lstrip("/"): int(i) for i in np.flatnonzero(sel)}
+
+    # --- adding ---------------------------------------------------------------------------------
+    def _register(self, name: str, data: str, ms_created: float, *, root: bool, gone: bool) -> int:
+        pm = parse_manifest_name(name)
+        dd = parse_data_name(data)
+        flags = (ObjectTable.ROOT if root else 0) | (ObjectTable.GONE if gone else 0)
+        ms = pm[0] if pm else -1
+        i = self.objs.add(pm[1] if pm else b"", dd or b"", ms, ms_created, flags)
+        if pm is None or dd is None:
+            self.objs.odd[i] = (name, ("/" + data if root and self.namespaced else data))
+        self.watermark_ms = max(self.watermark_ms, ms)
+        return i
+
+    def add_parsed(self, batch: Sequence[tuple[str, Parsed | None]], *, cutoff: float | None,
+                   root: bool = False) -> None:
+        """Index manifests; ``None`` (unreadable) and expired ones are remembered, not indexed."""
+        cols: list[tuple[np.ndarray, ...]] = []
+        for name, p in batch:
+            if p is None:
+                continue
+            expired = cutoff is not None and p.created_at < cutoff
+            i = self._register(name, p.data, p.created_at, root=root, gone=expired)
+            if expired or not len(p.off):
+                continue
+            ok = (p.off + p.len <= U32_MAX) & (p.len <= U32_MAX)
+            self.refused += int(len(ok) - np.count_nonzero(ok))
+            k0, k1 = split_keys(p.keys)
+            cols.append((k0[ok], k1[ok], np.full(int(ok.sum()), i, np.uint32), p.off[ok], p.len[ok]))
+        if not cols:
+            return
+        k0, k1, obj, off, ln = (np.concatenate([c[j] for c in cols]) for j in range(5))
+        if self.excl_loc or self.excl_key:
+            keep = self._not_excluded(k0, k1, obj, off)
+            k0, k1, obj, off, ln = k0[keep], k1[keep], obj[keep], off[keep], ln[keep]
+        self.index.merge(k0, k1, obj, off.astype(np.uint32), ln.astype(np.uint32), self.objs.created())
+        self.recount()
+
+    def _not_excluded(self, k0: np.ndarray, k1: np.ndarray, obj: np.ndarray, off: np.ndarray) -> np.ndarray:
+        ex = list(self.excl_key | set(self.excl_loc))
+        e0, _ = split_keys(b"".join(ex))
+        keep = np.ones(len(k0), bool)
+        for r in np.flatnonzero(np.isin(k0, e0)):  # few rows: exact check in Python
+            key = int(k0[r]).to_bytes(8, "big") + int(k1[r]).to_bytes(8, "big")
+            if key in self.excl_key or (self.data_name(int(obj[r])), int(off[r])) in self.excl_loc.get(key, ()):
+                keep[r] = False
+        return keep
+
+    def add_fresh(self, name: str, data: str, created_at: float, entries: Iterable[tuple[bytes, int, int]]) -> None:
+        """Index what this node just published (newest wins; lifts this node's exclusions)."""
+        i = self.names(int(created_at * 1000) - 1).get(name)  # a re-publish of the same manifest
+        if i is None:
+            i = self._register(name, data, created_at, root=False, gone=False)
+        self.objs.rows["flags"][i] &= ~np.uint8(ObjectTable.GONE)
+        for key, off, n in entries:  # this node's own write wins in its index
+            self.excl_loc.pop(key, None)
+            self.excl_key.discard(key)
+            if off + n > U32_MAX:
+                self.refused += 1
+                continue
+            old = self.index.put(key, i, off, n)
+            self._account(i, n, old)
+
+    def _account(self, i: int, n: int, old: tuple[int, int, int] | None) -> None:
+        live = self.objs.rows["live"]
+        live[i] += n
+        self.used += n
+        if old is not None:
+            live[old[0]] -= old[2]
+            self.used -= old[2]
+
+    def recount(self) -> None:
+        live = self.index.live_bytes_per_object(self.objs.n)
+        self.objs.rows["live"][:self.objs.n] = live
+        self.used = int(live.sum())
+
+    # --- removing -------------------------------------------------------------------------------
+    def remove(self, key: bytes) -> tuple[int, int, int] | None:
+        old = self.index.remove(key)
+        if old is not None:
+            self.objs.rows["live"][old[0]] -= old[2]
+            self.used -= old[2]
+        return old
+
+    def forget(self, ids: Sequence[int] | np.ndarray) -> None:
+        """Drop objects (gone from the bucket, expired, evicted) and all their blocks."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if not len(ids):
+            return
+        self.objs.rows["flags"][ids] |= ObjectTable.GONE
+        self.index.remove_objects(ids.astype(np.uint32))
+        self.recount()
+
+    def exclude(self, key: bytes, data: str, offset: int) -> None:
+        """Stop serving ``key`` at this location (local only)."""
+        self.excl_loc.setdefault(key, set()).add((data, offset))
+        cur = self.index.get(key)
+        if cur is not None and cur[1] == offset and self.data_name(cur[0]) == data:
+            self.remove(key)
+
+    def exclude_key(self, key: bytes) -> None:
+        """Stop serving every copy of ``key`` (``ObjectTier.delete``)."""
+        self.excl_key.add(key)
+        self.remove(key)
+
+    def oldest_until(self, bytes_to_free: int) -> np.ndarray:
+        v = self.objs.view
+        cand = np.flatnonzero(((v["flags"] & ObjectTable.GONE) == 0) & (v["live"] > 0))
+        order = cand[np.argsort(v["created"][cand], kind="stable")]
+        freed = np.cumsum(v["live"][order])
+        return order[:int(np.searchsorted(freed, bytes_to_free)) + 1]
+
+    # --- snapshots ------------------------------------------------------------------------------
+    def to_snapshot(self) -> Snapshot:
+        k0, k1, obj, off, ln = self.index.columns()
+        v = self.objs.view
+        keep = (v["flags"] & ObjectTable.GONE) == 0
+        remap = np.cumsum(keep) - 1
+        objects = np.zeros(int(keep.sum()), OBJ_DTYPE)
+        for f in ("mdig", "ddig", "ms", "created"):
+            objects[f] = v[f][keep]
+        objects["flags"] = v["flags"][keep] & ObjectTable.ROOT
+        odd = {int(remap[i]): names for i, names in self.objs.odd.items() if keep[i]}
+        live = obj != DEAD
+        return Snapshot(objects, odd, k0[live], k1[live], remap[obj[live]].astype(np.uint32), off[live], ln[live],
+                        self.watermark_ms)
+
+    def load_snapshot(self, s: Snapshot, cutoff: float | None) -> None:
+        rows = np.zeros(len(s.objects), ObjectTable.DTYPE)
+        for f in ("mdig", "ddig", "ms", "created", "flags"):
+            rows[f] = s.objects[f]
+        self.objs = ObjectTable(rows)
+        self.objs.odd = dict(s.odd)
+        self.index.load_sorted(s.k0, s.k1, s.obj, s.off, s.len)
+        self.watermark_ms = max(s.watermark_ms, int(rows["ms"].max()) if len(rows) else -1)
+        if cutoff is not None:
+            self.forget(np.flatnonzero(rows["created"] < cutoff))
+        self.recount()

@@ -1,0 +1,257 @@
+"""Compact object index: 16-byte key -> (object id, offset, length) in about 30 bytes per block.
+
+The SSD tier's ``CompactIndex`` (hash table over ``array`` columns, under 64 B/block) is sized for
+one node's disk; the object tier indexes a whole namespace of a shared bucket (hundreds of
+millions of blocks), so it keeps the same columns without any hash table:
+
+* ``base``: numpy columns sorted by key (big-endian u64 halves ``k0``, ``k1``), plus ``obj``
+  (u32 row of the ``ObjectTable``), ``off`` and ``len`` (u32 bytes): 28 B per block. Lookups
+  binary-search ``k0``. Removed rows keep their key with ``obj = DEAD`` until the next compaction.
+* ``delta``: a small dict of recent single inserts (this node's publishes), folded into ``base``
+  when it grows past ``DELTA_MAX``; bulk loads (snapshots, manifest listings) merge directly.
+* Keys are BLAKE2b digests, uniformly distributed, so ``k0`` ties are (nearly) nonexistent, but
+  they are handled: rows sort by (k0, k1).
+
+Offsets and lengths are u32: data objects up to 4 GiB are indexed (segments are 256 MiB);
+entries beyond are refused by the caller. Not thread-safe: one owner (the tier's event loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+DEAD = np.uint32(0xFFFFFFFF)
+DELTA_MAX = 65536
+U32_MAX = 0xFFFFFFFF
+Loc = tuple[int, int, int]  # (object id, offset, length)
+
+
+def split_keys(keys: bytes | bytearray | memoryview) -> tuple[np.ndarray, np.ndarray]:
+    """(k0, k1) u64 columns of concatenated 16-byte keys (big-endian: sorts like the bytes)."""
+    a = np.frombuffer(keys, dtype=">u8").reshape(-1, 2)
+    return a[:, 0].astype(np.uint64), a[:, 1].astype(np.uint64)
+
+
+def join_keys(k0: np.ndarray, k1: np.ndarray) -> bytes:
+    out = np.empty((len(k0), 2), dtype=">u8")
+    out[:, 0], out[:, 1] = k0, k1
+    return out.tobytes()
+
+
+def _halves(key: bytes) -> tuple[int, int]:
+    return int.from_bytes(key[:8], "big"), int.from_bytes(key[8:16], "big")
+
+
+class CompactObjectIndex:
+    """Sorted numpy columns + a small insert dict; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.k0 = np.empty(0, np.uint64)
+        self.k1 = np.empty(0, np.uint64)
+        self.obj = np.empty(0, np.uint32)
+        self.off = np.empty(0, np.uint32)
+        self.len = np.empty(0, np.uint32)
+        self.delta: dict[bytes, Loc] = {}
+        self._live_base = 0
+
+    def __len__(self) -> int:
+        return self._live_base + len(self.delta)
+
+    def nbytes(self) -> int:
+        """Bytes held by the columns and the delta (dict slots + tuples + key objects, estimated)."""
+        cols = sum(a.nbytes for a in (self.k0, self.k1, self.obj, self.off, self.len))
+        return cols + len(self.delta) * 200
+
+    # --- point operations -----------------------------------------------------------------------
+    def _row(self, key: bytes) -> int:
+        a, b = _halves(key)
+        k0 = self.k0
+        i = int(k0.searchsorted(a))
+        n = len(k0)
+        while i < n and k0[i] == a:
+            if self.k1[i] == b:
+                return i
+            i += 1
+        return -1
+
+    def get(self, key: bytes) -> Loc | None:
+        loc = self.delta.get(key)
+        if loc is not None:
+            return loc
+        i = self._row(key)
+        if i < 0 or self.obj[i] == DEAD:
+            return None
+        return int(self.obj[i]), int(self.off[i]), int(self.len[i])
+
+    def __contains__(self, key: bytes) -> bool:
+        return self.get(key) is not None
+
+    def put(self, key: bytes, obj: int, off: int, length: int) -> Loc | None:
+        """Insert or replace; returns the previous location."""
+        old = self.remove(key)
+        i = self._row(key)
+        if i >= 0:  # a dead row of this key: revive it in place
+            self.obj[i], self.off[i], self.len[i] = obj, off, length
+            self._live_base += 1
+        else:
+            self.delta[key] = (obj, off, length)
+            if len(self.delta) > DELTA_MAX:
+                self.compact()
+        return old
+
+    def remove(self, key: bytes) -> Loc | None:
+        loc = self.delta.pop(key, None)
+        if loc is not None:
+            return loc
+        i = self._row(key)
+        if i < 0 or self.obj[i] == DEAD:
+            return None
+        loc = int(self.obj[i]), int(self.off[i]), int(self.len[i])
+        self.obj[i] = DEAD
+        self._live_base -= 1
+        return loc
+
+    def remove_objects(self, objs: np.ndarray) -> None:
+        """Drop every block of the given object ids."""
+        if len(objs) == 0:
+            return
+        hit = np.isin(self.obj, objs)
+        self._live_base -= int(np.count_nonzero(hit))
+        self.obj[hit] = DEAD
+        drop = set(int(o) for o in objs)
+        for k in [k for k, v in self.delta.items() if v[0] in drop]:
+            del self.delta[k]
+
+    def keys(self) -> Iterator[bytes]:
+        live = self.obj != DEAD
+        raw = join_keys(self.k0[live], self.k1[live])
+        base = [raw[i:i + 16] for i in range(0, len(raw), 16)]
+        return iter(base + list(self.delta))
+
+    def columns(self) -> tuple[np.ndarray, ...]:
+        """Live rows, key-sorted: (k0, k1, obj, off, len) (the delta folded in first)."""
+        self.compact()
+        return self.k0, self.k1, self.obj, self.off, self.len
+
+    def live_bytes_per_object(self, n_objects: int) -> np.ndarray:
+        live = self.obj != DEAD
+        out = np.bincount(self.obj[live], weights=self.len[live], minlength=n_objects).astype(np.int64)
+        for o, _, n in self.delta.values():
+            out[o] += n
+        return out
+
+    # --- bulk operations ------------------------------------------------------------------------
+    def compact(self) -> None:
+        """Fold the delta into the sorted columns and drop dead rows."""
+        if not self.delta and self._live_base == len(self.k0):
+            return
+        keys = b"".join(self.delta)
+        locs = np.array(list(self.delta.values()), dtype=np.int64).reshape(-1, 3)
+        d0, d1 = split_keys(keys)
+        self.delta = {}
+        live = self.obj != DEAD
+        self._set_sorted(np.concatenate([self.k0[live], d0]), np.concatenate([self.k1[live], d1]),
+                         np.concatenate([self.obj[live], locs[:, 0].astype(np.uint32)]),
+                         np.concatenate([self.off[live], locs[:, 1].astype(np.uint32)]),
+                         np.concatenate([self.len[live], locs[:, 2].astype(np.uint32)]), presorted=not len(d0))
+
+    def _set_sorted(self, k0: np.ndarray, k1: np.ndarray, obj: np.ndarray, off: np.ndarray, ln: np.ndarray,
+                    presorted: bool = False) -> None:
+        if not presorted:
+            order = np.lexsort((k1, k0))
+            k0, k1, obj, off, ln = k0[order], k1[order], obj[order], off[order], ln[order]
+        self.k0, self.k1, self.obj, self.off, self.len = k0, k1, obj, off, ln
+        self._live_base = int(np.count_nonzero(obj != DEAD))
+
+    def load_sorted(self, k0: np.ndarray, k1: np.ndarray, obj: np.ndarray, off: np.ndarray, ln: np.ndarray) -> None:
+        """Replace everything with key-sorted, duplicate-free columns (a snapshot)."""
+        self.delta = {}
+        self._set_sorted(k0, k1, obj, off, ln, presorted=True)
+
+    def merge(self, k0: np.ndarray, k1: np.ndarray, obj: np.ndarray, off: np.ndarray, ln: np.ndarray,
+              created: np.ndarray) -> None:
+        """Add rows; per key the object with the newest ``created[obj]`` wins (ties: the new row).
+
+        ``created`` maps object id -> created_at for every object referenced here or indexed.
+        """
+        if len(k0) == 0:
+            return
+        self.compact()
+        # newest per key among the new rows: sort by (key, created), keep each key's last row
+        order = np.lexsort((created[obj], k1, k0))
+        k0, k1, obj, off, ln = k0[order], k1[order], obj[order], off[order], ln[order]
+        last = np.ones(len(k0), bool)
+        last[:-1] = (k0[1:] != k0[:-1]) | (k1[1:] != k1[:-1])
+        k0, k1, obj, off, ln = k0[last], k1[last], obj[last], off[last], ln[last]
+        if len(self.k0) == 0:
+            self._set_sorted(k0, k1, obj, off, ln, presorted=True)
+            return
+        pos = np.searchsorted(self.k0, k0)
+        n = len(self.k0)
+        while True:  # step past equal-k0 rows with a smaller k1 (lexicographic position)
+            p = np.minimum(pos, n - 1)
+            step = (pos < n) & (self.k0[p] == k0) & (self.k1[p] < k1)
+            if not step.any():
+                break
+            pos = pos + step
+        p = np.minimum(pos, n - 1)
+        match = (pos < n) & (self.k0[p] == k0) & (self.k1[p] == k1)
+        mi = pos[match]
+        cur = self.obj[mi]
+        wins = (cur == DEAD) | (created[np.where(cur == DEAD, 0, cur)] <= created[obj[match]])
+        rows = mi[wins]
+        self.obj[rows], self.off[rows], self.len[rows] = obj[match][wins], off[match][wins], ln[match][wins]
+        new = ~match
+        ins = pos[new]
+        self.k0 = np.insert(self.k0, ins, k0[new])
+        self.k1 = np.insert(self.k1, ins, k1[new])
+        self.obj = np.insert(self.obj, ins, obj[new])
+        self.off = np.insert(self.off, ins, off[new])
+        self.len = np.insert(self.len, ins, ln[new])
+        self._live_base = int(np.count_nonzero(self.obj != DEAD))
+
+
+class ObjectTable:
+    """Per data object (one manifest each): numpy columns, grown by 1/4 at a time.
+
+    ``mdig``/``ddig``: manifest and data digests; ``ms``: the created-at ms of a new-style
+    manifest name (-1: legacy name); ``created``: created_at; ``live``: live record bytes;
+    ``flags``: ``ROOT`` (legacy root layout), ``GONE`` (forgotten). Names that are not canonical
+    (written by other tools) are kept in ``odd``.
+    """
+
+    ROOT = 1
+    GONE = 2
+    # digests as u1[16], not "S16": numpy strips trailing NUL bytes from S fields
+    DTYPE = np.dtype([("mdig", "u1", (16,)), ("ddig", "u1", (16,)), ("ms", "<i8"), ("created", "<f8"),
+                      ("live", "<i8"), ("flags", "u1")])
+
+    def __init__(self, rows: np.ndarray | None = None) -> None:
+        self.rows = np.zeros(16, self.DTYPE) if rows is None else rows
+        self.n = 0 if rows is None else len(rows)
+        self.odd: dict[int, tuple[str, str]] = {}  # id -> (manifest name, data name)
+
+    def nbytes(self) -> int:
+        return self.rows.nbytes + 150 * len(self.odd)
+
+    def add(self, mdig: bytes, ddig: bytes, ms: int, created: float, flags: int) -> int:
+        if self.n == len(self.rows):
+            grown = np.zeros(max(16, self.n + self.n // 4), self.DTYPE)
+            grown[:self.n] = self.rows[:self.n]
+            self.rows = grown
+        i = self.n
+        r = self.rows[i]
+        r["mdig"] = np.frombuffer(mdig.ljust(16, b"\0"), np.uint8)
+        r["ddig"] = np.frombuffer(ddig.ljust(16, b"\0"), np.uint8)
+        r["ms"], r["created"], r["live"], r["flags"] = ms, created, 0, flags
+        self.n += 1
+        return i
+
+    @property
+    def view(self) -> np.ndarray:
+        return self.rows[:self.n]
+
+    def created(self) -> np.ndarray:
+        return self.rows["created"][:self.n]

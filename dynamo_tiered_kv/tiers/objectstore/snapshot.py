@@ -1,0 +1,101 @@
+"""Index snapshots: one checksummed object holding a namespace's compacted index.
+
+Format (docs/OBJECTS.md, "Index snapshot"), all integers little-endian::
+
+    header   64 B   magic "DTKVIX01", u32 version (1), u32 header bytes (64), u64 n_objects,
+                    u64 n_blocks, i64 watermark_ms, f64 written_at, u32 odd_bytes, 12 B zero
+    objects  n_objects x 49 B: manifest digest (16), data digest (16), i64 name ms (-1 legacy
+                    name), f64 created_at, u8 flags (1 = legacy root layout)
+    odd      odd_bytes of UTF-8 JSON {"<object id>": [manifest name, data name]} (non-canonical names)
+    keys     n_blocks x 16 B, sorted ascending (bytewise), no duplicates
+    obj      n_blocks x u32 object id
+    offset   n_blocks x u64
+    length   n_blocks x u32
+    xxh3     16 B: XXH3-128 (big-endian digest bytes) of everything before it
+
+A snapshot that is short, has another magic/version, unsorted keys, out-of-range object ids or
+a wrong checksum raises ``SnapshotError``: the loader ignores it and lists every manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from ...errors import TieredKVError
+from .index import U32_MAX, join_keys, split_keys
+
+MAGIC = b"DTKVIX01"
+VERSION = 1
+_HEADER = struct.Struct("<8sIIQQqdI12x")
+OBJ_DTYPE = np.dtype([("mdig", "u1", (16,)), ("ddig", "u1", (16,)), ("ms", "<i8"), ("created", "<f8"), ("flags", "u1")])
+assert _HEADER.size == 64 and OBJ_DTYPE.itemsize == 49
+
+
+class SnapshotError(TieredKVError):
+    """An index snapshot is unreadable or fails its checksum (never trusted)."""
+
+
+@dataclass
+class Snapshot:
+    objects: np.ndarray  # OBJ_DTYPE
+    odd: dict[int, tuple[str, str]]
+    k0: np.ndarray
+    k1: np.ndarray
+    obj: np.ndarray  # u32
+    off: np.ndarray  # u32 in memory (entries past 4 GiB are refused when indexing)
+    len: np.ndarray  # u32
+    watermark_ms: int
+    written_at: float = 0.0
+
+
+def encode(s: Snapshot) -> bytes:
+    odd = json.dumps({str(k): list(v) for k, v in s.odd.items()}, separators=(",", ":")).encode()
+    parts = [
+        _HEADER.pack(MAGIC, VERSION, _HEADER.size, len(s.objects), len(s.k0), s.watermark_ms,
+                     s.written_at or time.time(), len(odd)),
+        s.objects.astype(OBJ_DTYPE).tobytes(), odd, join_keys(s.k0, s.k1),
+        s.obj.astype("<u4").tobytes(), s.off.astype("<u8").tobytes(), s.len.astype("<u4").tobytes(),
+    ]
+    body = b"".join(parts)
+    return body + xxhash.xxh3_128_digest(body)
+
+
+def decode(raw: bytes | bytearray | memoryview) -> Snapshot:
+    mv = memoryview(raw)
+    if len(mv) < _HEADER.size + 16:
+        raise SnapshotError(f"snapshot of {len(mv)} bytes is too short")
+    magic, version, hlen, n_obj, n_blk, wm, written, odd_len = _HEADER.unpack_from(mv, 0)
+    if magic != MAGIC or version != VERSION or hlen != _HEADER.size:
+        raise SnapshotError(f"not a version-{VERSION} index snapshot")
+    size = hlen + n_obj * OBJ_DTYPE.itemsize + odd_len + n_blk * 32 + 16
+    if len(mv) != size:
+        raise SnapshotError(f"snapshot holds {len(mv)} bytes, its header says {size}")
+    if xxhash.xxh3_128_digest(mv[:-16]) != bytes(mv[-16:]):
+        raise SnapshotError("snapshot checksum mismatch")
+    pos = hlen
+    objects = np.frombuffer(mv, OBJ_DTYPE, n_obj, pos)
+    pos += objects.nbytes
+    try:
+        odd = {int(k): (str(v[0]), str(v[1])) for k, v in json.loads(bytes(mv[pos:pos + odd_len])).items()}
+    except (ValueError, TypeError, IndexError, AttributeError) as e:
+        raise SnapshotError(f"snapshot names section: {e}") from None
+    pos += odd_len
+    k0, k1 = split_keys(mv[pos:pos + n_blk * 16])
+    pos += n_blk * 16
+    obj = np.frombuffer(mv, "<u4", n_blk, pos).astype(np.uint32)
+    pos += n_blk * 4
+    off = np.frombuffer(mv, "<u8", n_blk, pos)
+    pos += n_blk * 8
+    ln = np.frombuffer(mv, "<u4", n_blk, pos).astype(np.uint32)
+    if n_blk:
+        if not bool(np.all((k0[1:] > k0[:-1]) | ((k0[1:] == k0[:-1]) & (k1[1:] > k1[:-1])))):
+            raise SnapshotError("snapshot keys are not sorted and unique")
+        if int(obj.max()) >= n_obj or int(off.max()) > U32_MAX:
+            raise SnapshotError("snapshot entry out of range")
+    return Snapshot(np.array(objects), odd, k0, k1, obj, off.astype(np.uint32), ln, int(wm), float(written))
