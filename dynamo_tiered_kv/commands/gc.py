@@ -58,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..tiers.objectstore import backend_from_url, is_object_url
-    from ..tiers.objectstore.gc import gc_objects
+    from ..tiers.objectstore.gc import gc_bucket
 
     if args.endpoint and not args.s3_endpoint_url:
         args.s3_endpoint_url = args.endpoint
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         backend = backend_from_url(target, **settings.s3_kwargs())
         await backend.open()
         try:
-            return await gc_objects(backend, ttl_s=None if args.no_ttl else ttl, grace_s=args.grace,
+            return await gc_bucket(backend, ttl_s=None if args.no_ttl else ttl, grace_s=args.grace,
                                     dry_run=args.dry_run)
         finally:
             await backend.close()

@@ -21,6 +21,7 @@ from ...codec import verify_record
 from ...errors import RecordError, TierUnavailable
 from ..segments import SegmentEntry
 from .backend import ObjectBackend
+from .layout import NamespaceView, list_namespaces, ns_prefix
 from .manifest import DATA_DIR, MANIFEST_DIR, Manifest, ManifestError
 from .quarantine import read_markers
 from .urls import backend_from_url
@@ -117,7 +118,18 @@ async def _fsck_url(target: str, chunk_bytes: int, **s3_kwargs: Any) -> FsckRepo
     backend = backend_from_url(target, **s3_kwargs)
     await backend.open()
     try:
-        return await fsck_backend(backend, chunk_bytes=chunk_bytes)
+        rep = await fsck_backend(backend, chunk_bytes=chunk_bytes)  # legacy root layout
+        for ns in await list_namespaces(backend):  # and every ns/<hex>/ namespace
+            sub = await fsck_backend(NamespaceView(backend, ns_prefix(bytes.fromhex(ns))), chunk_bytes=chunk_bytes)
+            pre = ns_prefix(bytes.fromhex(ns))
+            rep.manifests += sub.manifests
+            rep.data_objects += sub.data_objects
+            rep.records_ok += sub.records_ok
+            rep.bytes_verified += sub.bytes_verified
+            rep.orphans += [pre + o for o in sub.orphans]
+            rep.quarantined += [pre + q for q in sub.quarantined]
+            rep.problems += [FsckProblem(pre + p.object, p.error, p.key, p.offset) for p in sub.problems]
+        return rep
     finally:
         await backend.close()
 

@@ -161,3 +161,26 @@ async def gc_objects(backend: ObjectBackend, *, ttl_s: float | None, grace_s: fl
         await asyncio.gather(*(guarded(backend.delete(n)) for n in stale_tombs))
         rep.aborted_uploads = await guarded(backend.abort_incomplete(grace_s)) or 0  # type: ignore[assignment]
     return rep
+
+
+async def gc_bucket(backend: ObjectBackend, *, ttl_s: float | None, grace_s: float = DEFAULT_GRACE_S,
+                    now: float | None = None, dry_run: bool = False, snapshots: bool = True) -> GcReport:
+    """``gc_objects`` over the legacy root layout and every ``ns/<hex>/`` namespace, then a fresh
+    index snapshot per namespace (so the next node start costs one GET). Reports are summed."""
+    from .layout import NamespaceView, list_namespaces, ns_prefix
+    from .snapshotter import write_namespace_snapshot
+
+    total = await gc_objects(backend, ttl_s=ttl_s, grace_s=grace_s, now=now, dry_run=dry_run)
+    for ns in await list_namespaces(backend):
+        view = NamespaceView(backend, ns_prefix(bytes.fromhex(ns)))
+        rep = await gc_objects(view, ttl_s=ttl_s, grace_s=grace_s, now=now, dry_run=dry_run)
+        for f, v in rep.to_dict().items():
+            if isinstance(v, int) and not isinstance(v, bool):
+                setattr(total, f, getattr(total, f) + v)
+        if snapshots and not dry_run:
+            try:
+                await write_namespace_snapshot(view, ttl_s=ttl_s)
+            except TierUnavailable as e:
+                total.errors += 1
+                log.warning("gc: snapshot of %s: %s", view.url, e)
+    return total
