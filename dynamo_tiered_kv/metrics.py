@@ -59,6 +59,9 @@ class _UsageCollector(Collector):
         cap = GaugeMetricFamily("dtkv_tier_capacity_bytes", "capacity bound of the tier", labels=["tier"])
         used = GaugeMetricFamily("dtkv_tier_used_bytes", "bytes stored in the tier", labels=["tier"])
         blocks = GaugeMetricFamily("dtkv_tier_blocks", "blocks stored in the tier", labels=["tier"])
+        ready = GaugeMetricFamily("dtkv_object_index_ready", "1 once the object tier's background index "
+                                  "build finished (misses until then)", labels=["tier"])
+        indexed = GaugeMetricFamily("dtkv_object_index_blocks", "blocks in the object tier's index", labels=["tier"])
         for t in self._tiers():
             try:
                 u = t.usage()
@@ -67,7 +70,10 @@ class _UsageCollector(Collector):
             cap.add_metric([t.name], u.capacity_bytes)
             used.add_metric([t.name], u.used_bytes)
             blocks.add_metric([t.name], u.num_blocks)
-        yield from (cap, used, blocks)
+            if hasattr(t, "index_ready"):  # the object tier indexes in the background
+                ready.add_metric([t.name], float(t.index_ready))
+                indexed.add_metric([t.name], u.num_blocks)
+        yield from (cap, used, blocks, ready, indexed)
 
 
 class StoreMetrics:
