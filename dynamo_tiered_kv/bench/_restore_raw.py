@@ -38,6 +38,8 @@ def locate(store: Any, keys: list[Any], tier_name: str) -> list[Extent]:
             if where is not None:
                 name, e = where
                 b = tier.backend
+                while hasattr(b, "base") and hasattr(b, "_n"):  # namespace views: the backend they prefix
+                    name, b = b._n(name), b.base
                 out.append((str(b._path(name)) if hasattr(b, "root") else b._key(name), e.offset, e.length))
     return out
 
