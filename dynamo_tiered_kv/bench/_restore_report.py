@@ -67,6 +67,10 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         ok = row["marginal_ms"] > 0  # <= 0: the restore is below this run's request-to-request noise
         row["ratio_raw"] = row["marginal_ms"] / raw_ms if raw_ms and ok else None
         row["reduction_vs_recompute"] = 1 - long / rec_long if rec_long else None
+        # the store's own time for the long restore (LoadResult.stages.total) against the same raw read
+        st_total = row["stages"]["total_ms"] if row["stages"] else None
+        row["store_total_ms"] = st_total
+        row["store_ratio_raw"] = st_total / raw_ms if st_total and raw_ms else None
         if ex:
             row["example_over_ours_marginal"] = out["example"]["marginal_ms"] / row["marginal_ms"] if ok else None
             row["example_over_ours_ttft"] = out["example"]["long_ttft_ms"] / long
@@ -133,14 +137,15 @@ def format_tables(res: dict[str, Any]) -> str:
                      f"cache; load hooks {ex['load_hook_ms']:.1f} ms)")
     staged = [r for r in s["rows"] if r["stages"]]
     if staged:
-        lines += ["", "store restore stages of the long prompt (LoadResult.stages, ms):",
+        lines += ["", "store restore stages of the long prompt (LoadResult.stages, ms; total / raw read):",
                   f"{'tier':<7} {'read':>7} {'MB':>6} {'wait':>7} {'decode':>7} {'total':>7} {'chunks':>6} "
-                  f"{'load hooks':>10}"]
+                  f"{'load hooks':>10} {'total/raw':>9}"]
         for r in staged:
             st = r["stages"]
             lines.append(f"{r['tier']:<7} {_f(sum(st['read_ms'].values())):>7} {_f(sum(st['read_mb'].values())):>6} "
                          f"{_f(st['wait_ms']):>7} {_f(st['decode_ms']):>7} {_f(st['total_ms']):>7} "
-                         f"{_f(st['chunks'], '.0f'):>6} {_f(r['load_hook_ms']):>10}")
+                         f"{_f(st['chunks'], '.0f'):>6} {_f(r['load_hook_ms']):>10} "
+                         f"{_f(r['store_ratio_raw'], '.2f'):>8}x")
     else:
         lines += ["", "(the store reports no restore stages: breakdown skipped)"]
     lines += ["", "targets (issue 11 item 5):"]
