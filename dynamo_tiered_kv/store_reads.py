@@ -362,7 +362,8 @@ class ChunkReads:
                 run_end = j + 1
                 while run_end < len(keys) and self._fastest(keys[run_end]) == ti:
                     run_end += 1
-                pieces.extend((ti, a, b) for a, b in _split(j, run_end, rb, self._read_parallelism(ti)))
+                par, piece = self._read_shape(ti)
+                pieces.extend((ti, a, b) for a, b in _split(j, run_end, rb, par, piece))
                 j = run_end
             # return_exceptions: every piece has finished (none can write into the slab) when we return
             got = await asyncio.gather(*(self._read_run(ti, rd, rb, keys, a, b) for ti, a, b in pieces),
@@ -381,10 +382,27 @@ class ChunkReads:
             if abandoned:
                 self._release(rd.slab)
 
-    def _read_parallelism(self, ti: int) -> int:
+    def _read_shape(self, ti: int) -> tuple[int, int]:
+        """(pieces a run is cut into at most, smallest piece in bytes) for tier ``ti``: the tier's
+        ``read_parallelism`` / ``read_piece_bytes``, else its ``max_concurrency`` and MIN_PIECE_BYTES."""
         t = self.tiers[ti]
         par = getattr(t, "read_parallelism", None) or getattr(t, "max_concurrency", None) or 1
-        return max(1, int(par))
+        piece = getattr(t, "read_piece_bytes", None) or MIN_PIECE_BYTES
+        return max(1, int(par)), max(1, int(piece))
+
+    def _read_gate(self, ti: int) -> asyncio.Semaphore | None:
+        """A tier with ``read_parallelism`` has at most that many reads in flight across all loads,
+        started first come first served: a load's earlier pieces are not slowed down by its
+        read-ahead sharing the device with them, so chunks arrive in order (a device shared fairly
+        between four chunks finishes all four late, and the caller waits on the first)."""
+        par = getattr(self.tiers[ti], "read_parallelism", None)
+        if not par:
+            return None
+        gates: dict[int, asyncio.Semaphore] = self.__dict__.setdefault("_read_gates", {})
+        gate = gates.get(ti)
+        if gate is None:
+            gate = gates[ti] = asyncio.Semaphore(max(1, int(par)))
+        return gate
 
     def _fastest(self, key: BlockKey) -> int | None:
         for ti, t in enumerate(self.tiers):
@@ -400,10 +418,28 @@ class ChunkReads:
         if isinstance(slab, DeviceSlab) and not self._gpu_direct(ti):
             self.metrics.misses.labels(tier.name).inc(end - start)
             return 0  # moved to a tier without GPU-direct (or the path failed) since the chunk started
-        reqs = [ReadRequest(keys[j], slot_view(slab, j * rb, rb)) for j in range(start, end)]
+        gate = self._read_gate(ti)
+        if gate is not None:
+            await gate.acquire()
+        try:
+            if rd.hand.abandoned:  # nobody waits for this chunk any more: no I/O into its slab
+                return 0
+            return await self._read_piece(tier, ti, rd, rb, keys, start, end)
+        finally:
+            if gate is not None:
+                gate.release()
+
+    async def _read_piece(self, tier: Tier, ti: int, rd: ChunkRead, rb: int, keys: Sequence[BlockKey],
+                          start: int, end: int) -> int:
+        slab = rd.slab
         t0 = time.perf_counter()
         try:
-            results = await tier.read_many(reqs)
+            read_slab = getattr(tier, "read_slab", None)
+            if read_slab is not None and isinstance(slab, Slab):  # no request or view per record
+                results = await read_slab(keys[start:end], slab.array[start * rb:end * rb], rb)
+            else:
+                results = await tier.read_many([ReadRequest(keys[j], slot_view(slab, j * rb, rb))
+                                                for j in range(start, end)])
         except Exception as e:
             self.metrics.errors.labels(tier.name, "read").inc()
             self.metrics.misses.labels(tier.name).inc(end - start)
@@ -424,10 +460,11 @@ class ChunkReads:
         return got
 
 
-def _split(start: int, end: int, rb: int, parallelism: int) -> list[tuple[int, int]]:
-    """[start, end) in up to ``parallelism`` near-equal pieces of at least MIN_PIECE_BYTES."""
+def _split(start: int, end: int, rb: int, parallelism: int, min_piece: int | None = None) -> list[tuple[int, int]]:
+    """[start, end) in up to ``parallelism`` near-equal pieces of at least ``min_piece`` bytes
+    (MIN_PIECE_BYTES by default)."""
     n = end - start
-    k = max(1, min(parallelism, n, n * rb // MIN_PIECE_BYTES))
+    k = max(1, min(parallelism, n, n * rb // (min_piece or MIN_PIECE_BYTES)))
     bounds = [start + n * i // k for i in range(k + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(k)]
 

@@ -86,6 +86,22 @@ def test_pieces_keep_order_and_stages_are_reported(pool: StagingPool, monkeypatc
         assert pool.free_count == 6
 
 
+def test_tier_read_parallelism_bounds_reads_in_flight_across_chunks(pool: StagingPool, monkeypatch) -> None:
+    ssd = PieceTier("ssd", 64 * REC)
+    ssd.read_parallelism = 2  # type: ignore[misc]
+    ssd.read_piece_bytes = REC  # type: ignore[attr-defined]  # the tier's own piece size, not MIN_PIECE_BYTES
+    store, src, keys = _filled([ssd], pool, 24, load_chunk_bytes=8 * REC, load_first_chunk_bytes=2 * REC)
+    with store:
+        dst = make_layout(64)
+        res = store.load(dst, list(range(30, 54)), keys, timeout=10)
+        assert res.loaded_block_ids == list(range(30, 54))
+        for s, d in zip(range(1, 25), range(30, 54), strict=True):
+            assert block_bytes(src, s) == block_bytes(dst, d)
+        assert ssd.max_in_flight == 2  # pieces of several chunks, never more than the tier's parallelism
+        assert max(ssd.calls) <= 4
+    _all_slabs_back(pool)
+
+
 def test_failed_piece_fails_from_its_first_block_on_and_frees_slabs(pool: StagingPool, monkeypatch) -> None:
     monkeypatch.setattr(sr, "MIN_PIECE_BYTES", REC)
     ssd = PieceTier("ssd", 64 * REC)
@@ -206,6 +222,7 @@ def test_split_and_union_helpers() -> None:
     assert _split(0, 10, big, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)]
     assert _split(3, 4, big, 8) == [(3, 4)]
     assert _split(0, 10, 1024, 8) == [(0, 10)]  # pieces below MIN_PIECE_BYTES are not worth it
+    assert len(_split(0, 10, 1024, 8, 2048)) == 5  # a tier's own smallest piece
     assert _union([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == pytest.approx(3.0)
     assert NS is not None
 

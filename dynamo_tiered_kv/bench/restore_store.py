@@ -4,7 +4,8 @@ Per tier, in one process and interleaved round by round (so device and cache dri
 ``host``: load from the host tier vs one memcpy of the same payload bytes. ``ssd``: load from SSD
 segments in ``--dir`` (host tier off) vs O_DIRECT preadv of the same segment bytes, ``--qd``
 reads of ``--piece-mib`` in flight. ``objdir``: object tier on a local directory vs parallel
-preads of the data objects. ``s3``: object tier on S3 (``--s3-endpoint``/``DTKV_S3_ENDPOINT``,
+preads of the data objects, both from a cold page cache (the objects are dropped from it with
+POSIX_FADV_DONTNEED before every load and raw read). ``s3``: object tier on S3 (``--s3-endpoint``/``DTKV_S3_ENDPOINT``,
 else an in-process moto server) vs parallel ranged GETs (``s3_max_concurrency`` in flight).
 Each row: best and median load/raw ratio, and the load's stage breakdown (``LoadResult.stages``).
 """
@@ -43,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=None, help="directory on the SSD under test (default: a temp dir)")
     p.add_argument("--qd", type=int, default=4, help="raw SSD reads in flight")
     p.add_argument("--piece-mib", type=int, default=8, help="raw read size")
+    p.add_argument("--ssd-io", choices=["auto", "nixl", "odirect"], default="auto", help="SSD tier I/O path")
     p.add_argument("--s3-endpoint", default=os.environ.get("DTKV_S3_ENDPOINT"))
     p.add_argument("--s3-concurrency", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
@@ -99,11 +101,28 @@ def _raw_files(paths: list[str], piece: int, qd: int, direct: bool, bufs: list[n
             os.close(fd)
 
 
-def _measure(name: str, load: Callable[[], object], raw: Callable[[], int], repeats: int, nbytes: int) -> dict:
+def _drop_cache(paths: list[str]) -> None:
+    """Drop ``paths`` from the page cache (POSIX_FADV_DONTNEED), so the next read comes from the device."""
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _measure(name: str, load: Callable[[], object], raw: Callable[[], int], repeats: int, nbytes: int,
+             cold: Callable[[], None] | None = None) -> dict:
+    """``cold`` (if given) runs, untimed, before every load and raw read."""
     loads, raws, stages = [], [], []
     for r in range(repeats + 1):  # round 0 warms up
         order = (("raw", raw), ("load", load)) if r % 2 else (("load", load), ("raw", raw))
         for what, fn in order:
+            if cold is not None:
+                cold()
             t0 = time.perf_counter()
             out = fn()
             dt = time.perf_counter() - t0
@@ -138,7 +157,7 @@ def _bench_tier(tier: str, args: argparse.Namespace, root: str) -> dict:
     if tier == "host":
         cfg["host_capacity_bytes"] = nbytes * 2 + (64 << 20)
     elif tier == "ssd":
-        cfg.update(ssd_dir=d, ssd_capacity_bytes=4 * nbytes + (1 << 30))
+        cfg.update(ssd_dir=d, ssd_capacity_bytes=4 * nbytes + (1 << 30), ssd_io=args.ssd_io)
     else:  # object tiers: written through a scratch SSD tier, persisted, then read with the SSD tier off
         cfg.update(ssd_dir=os.path.join(d, "ssd"), ssd_capacity_bytes=4 * nbytes + (1 << 30))
         if tier == "objdir":
@@ -164,6 +183,7 @@ def _bench_tier(tier: str, args: argparse.Namespace, root: str) -> dict:
             store.close()
             cfg.pop("ssd_dir")
             store = build_store(TieredKVConfig.from_mapping(cfg), ns)
+            _wait_index(store)
         found = store.lookup(keys).num_blocks
         assert found == n, f"{tier}: only {found} of {n} blocks are restorable"
         raw = _raw_for(tier, store, d, nbytes, args)
@@ -173,13 +193,24 @@ def _bench_tier(tier: str, args: argparse.Namespace, root: str) -> dict:
             assert not res.failed_block_ids, "load failed"
             return res
 
-        return _measure(tier, load, raw, args.repeats, nbytes)
+        cold = None
+        if tier == "objdir":  # buffered reads: both sides start from a cold page cache
+            paths = _files(os.path.join(d, "objects"))
+            cold = lambda: _drop_cache(paths)  # noqa: E731
+        return _measure(tier, load, raw, args.repeats, nbytes, cold)
     finally:
         store.close()
         if server is not None:
             server.terminate()
             server.wait(10)
         shutil.rmtree(d, ignore_errors=True)
+
+
+def _wait_index(store, timeout: float = 120.0) -> None:
+    """The object tier indexes in the background after open (misses until then): wait for it."""
+    obj = store.tiers[-1]
+    if hasattr(obj, "wait_ready"):
+        asyncio.run_coroutine_threadsafe(obj.wait_ready(timeout), store._loop).result(timeout + 5)
 
 
 def _raw_for(tier: str, store, d: str, nbytes: int, args: argparse.Namespace) -> Callable[[], int]:
