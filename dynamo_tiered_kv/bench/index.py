@@ -95,14 +95,14 @@ def _rss() -> int:
 
 async def _synth(backend: ObjectBackend, root: Path | None, ns: bytes, blocks: int, per: int, t0: float,
                  label: str) -> int:
-    """Write ``blocks`` worth of manifests under ``ns``; returns how many manifests."""
+    """Write ``blocks`` worth of manifests under ``ns`` (one a second); returns how many."""
     n_man = (blocks + per - 1) // per
     sem = asyncio.Semaphore(32)
     done = 0
 
     async def put(i: int) -> None:
         nonlocal done
-        name, raw = _manifest(i.to_bytes(8, "little") + ns, min(per, blocks - i * per), t0 + i * 0.001)
+        name, raw = _manifest(i.to_bytes(8, "little") + ns, min(per, blocks - i * per), t0 + i * 1.0)
         if root is not None:
             p = root / ns_prefix(ns) / name
             p.write_bytes(raw)
@@ -131,7 +131,7 @@ async def _go(args: argparse.Namespace, root: Path | None) -> dict[str, Any]:
 
     be = backend()
     await be.open()
-    t0 = time.time() - 86400
+    t0 = time.time() - 2 * 86400  # manifests spaced 1 s apart, within the 14-day TTL
     print(f"synthesizing {args.blocks} blocks ...", file=sys.stderr, flush=True)
     n_man = await _synth(be, root, NS_A, args.blocks, args.blocks_per_manifest, t0, "namespace A")
     await _synth(be, root, NS_B, 10 * args.blocks_per_manifest, args.blocks_per_manifest, t0, "namespace B")
