@@ -37,6 +37,17 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 "$MAIN_PY" -c "import vllm" 2>/dev/null \
   || { echo "dynamo-local: .venv has no vLLM engine (bootstrap with DTKV_WITH_VLLM=1)" >&2; exit 2; }
 
+pip_quiet() {  # pip's output only when it fails
+  local log
+  log=$(mktemp)
+  if ! "$VENV/bin/python" -m pip install -q --no-deps "$@" >"$log" 2>&1; then
+    cat "$log" >&2; rm -f "$log"
+    echo "dynamo-local: FAILED: pip install --no-deps $*" >&2
+    exit 1
+  fi
+  rm -f "$log"
+}
+
 install() {
   if [ ! -x "$VENV/bin/python" ]; then
     "$MAIN_PY" -m venv "$VENV"
@@ -47,9 +58,9 @@ install() {
   # addsitedir (not a bare path) so .venv's own .pth files run too (the editable install of this package)
   echo "import site; site.addsitedir('$main_site')" > "$site/dtkv-main-venv.pth"
   if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('ai-dynamo') != '$DYNAMO_VERSION')" 2>/dev/null; then
-    "$VENV/bin/python" -m pip install -q --no-deps "ai-dynamo==$DYNAMO_VERSION" "ai-dynamo-runtime==$DYNAMO_VERSION"
+    pip_quiet "ai-dynamo==$DYNAMO_VERSION" "ai-dynamo-runtime==$DYNAMO_VERSION"
   fi
-  "$VENV/bin/python" -c "import redis" 2>/dev/null || "$VENV/bin/python" -m pip install -q --no-deps 'redis>=6.2,<9'
+  "$VENV/bin/python" -c "import redis" 2>/dev/null || pip_quiet 'redis>=6.2,<9'
   "$VENV/bin/python" - "$site" <<'PY'
 import sys
 from pathlib import Path

@@ -26,6 +26,8 @@ into a separate virtualenv that reuses the project's ``.venv``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import os
 import random
@@ -46,9 +48,10 @@ MODEL_NAME = "tiny"
 BLOCK_SIZE = 32
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
-WORDS = ("agent tool call search result file read write plan step user assistant system answer question code "
-         "python function return value error retry cache block token memory disk object store tier host ssd "
-         "bucket prefix restore offload onboard latency throughput model layer head").split()
+_WORDS_TEXT = ("agent tool call search result file read write plan step user assistant system answer question "
+               "code python function return value error retry cache block token memory disk object store tier "
+               "host ssd bucket prefix restore offload onboard latency throughput model layer head")
+WORDS = _WORDS_TEXT.split(" ")
 
 
 def free_port() -> int:
@@ -82,14 +85,25 @@ def metrics(port: int) -> dict[str, float]:
     return out
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when this runner dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG);
+    vLLM's own engine and worker processes follow their parent."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
 class Proc:
     """A child in its own process group (vLLM's engine and worker processes die with it)."""
 
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], log: Path):
         self.name, self.log = name, log
-        self.fh = open(log, "w")
+        self.fh = open(log, "w")  # noqa: SIM115 (closed by stop())
         self.p = subprocess.Popen(cmd, env=env, stdout=self.fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  start_new_session=True)
+                                  start_new_session=True, preexec_fn=_die_with_parent)
 
     def alive(self) -> bool:
         return self.p.poll() is None
@@ -111,10 +125,8 @@ class Proc:
                 self.p.wait(10)
             except ProcessLookupError:
                 pass
-        try:  # engine/worker children left behind by a killed parent
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # children left behind by a killed parent
             os.killpg(self.p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
         self.fh.close()
         return time.monotonic() - t
 
@@ -145,6 +157,10 @@ class Run:
         self.http_port = free_port()
         self.metrics_port = free_port()
         self.procs: list[Proc] = []
+        # vLLM's and the connector's temporary files (the connector's lookup socket is
+        # $TMPDIR/dtkv-<engine id>-dp0.sock: a long TMPDIR, e.g. pytest's tmp_path, overflows AF_UNIX's
+        # 107 bytes and every lookup becomes a miss), so a short directory of our own
+        self.tmp = tempfile.mkdtemp(prefix="dtkv-dyn-", dir="/tmp")
         self.env = {**os.environ,
                     # Dynamo runtime: file discovery, TCP request plane, ZMQ event plane, all on loopback
                     "DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(self.work / "discovery"),
@@ -152,7 +168,7 @@ class Run:
                     "DYN_EVENT_PLANE_HOST": "127.0.0.1", "DYN_SYSTEM_HOST": "127.0.0.1",
                     # vLLM CPU engine: loopback for its message queues, small KV pool, no hub
                     "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-                    "HF_HUB_DISABLE_PROGRESS_BARS": "1", "PYTHONHASHSEED": "0", "TMPDIR": str(self.work / "tmp")}
+                    "HF_HUB_DISABLE_PROGRESS_BARS": "1", "PYTHONHASHSEED": "0", "TMPDIR": self.tmp}
         self.env.pop("PROMETHEUS_MULTIPROC_DIR", None)
 
     # --- pieces -------------------------------------------------------------------------------------
@@ -235,7 +251,6 @@ class Run:
     def run(self) -> dict[str, Any]:
         self.timings: dict[str, float] = {}
         t0 = time.monotonic()
-        (self.work / "tmp").mkdir(parents=True, exist_ok=True)
         for d in ("discovery", "ssd", "ssd-new-node", "objects"):
             shutil.rmtree(self.work / d, ignore_errors=True)
         model = self.model()
@@ -287,14 +302,26 @@ class Run:
                            "new_node_cached_tokens": third["cached_tokens"] > 0,
                            "new_node_object_hits": result["phases"]["new_node"]["object_hits"] > 0})
         fe.stop()
+        result["connector_warnings"] = self.connector_warnings()
         self.timings["total_s"] = round(time.monotonic() - t0, 1)
         result.update(checks=checks, ok=all(checks.values()), timings=self.timings)
         return result
+
+    def connector_warnings(self) -> list[str]:
+        """The connector's warnings in the worker logs (e.g. 'tiered KV store lookup unavailable')."""
+        out = []
+        for p in self.procs:
+            if p.name.startswith("worker"):
+                text = re.sub(r"\x1b\[[0-9;]*m", "", p.log.read_text(errors="replace"))
+                out += [f"{p.name}: {line.strip()[:300]}" for line in text.splitlines()
+                        if "tiered KV" in line or ("TieredKVConnector" in line and "WARN" in line)]
+        return out
 
     def close(self) -> None:
         for p in reversed(self.procs):
             if not p.fh.closed:
                 p.stop(timeout=20)
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def versions() -> dict[str, str]:
@@ -320,8 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="also write the summary here")
     args = ap.parse_args(argv)
     try:
-        import dynamo.frontend  # noqa: F401
-        import dynamo.vllm  # noqa: F401
+        importlib.import_module("dynamo.frontend")
+        importlib.import_module("dynamo.vllm")
     except ImportError as e:
         print(f"dynamo_run: Dynamo's packages are not importable from {sys.executable}: {e} "
               "(install them with examples/dynamo-local.sh --install-only)", file=sys.stderr)
@@ -331,11 +358,17 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     run = Run(args)
     rc = 1
+
+    def on_term(signum, _frame):  # a test timeout or ^C: stop the processes started here, then exit
+        raise Failure(f"interrupted by signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
     try:
         result = run.run()
         rc = 0 if result["ok"] else 1
     except Failure as e:
-        result = {"ok": False, "error": str(e), "work": str(args.work)}
+        result = {"ok": False, "error": str(e), "work": str(args.work), "connector_warnings": run.connector_warnings()}
     finally:
         run.close()
     out = json.dumps(result, indent=2)
