@@ -100,7 +100,7 @@ def test_restore_quick_engine(tmp_path: Path):
     assert set(tiers) == {"host", "ssd", "object"}
     for r in tiers.values():
         assert r["restored_tokens"] == 896 and r["raw_ms"] and r["raw_ms"] > 0
-        assert r["ratio_raw"] is not None and r["reduction_vs_recompute"] is not None
+        assert "ratio_raw" in r and r["reduction_vs_recompute"] is not None  # ratio: None when below noise
     assert res["summary"]["example"]["restored_tokens"] == 896
     assert res["summary"]["targets"]
     assert json.loads((tmp_path / "restore.json").read_text())["summary"]["rows"]
