@@ -160,6 +160,25 @@ def test_lookup_over_socket_and_in_process() -> None:
         unregister_local(key)
 
 
+def test_lookup_socket_works_under_a_long_tmpdir(tmp_path, monkeypatch) -> None:
+    """A TMPDIR whose socket path overflows sun_path (107 bytes) must not turn lookups into misses."""
+    import tempfile
+
+    from dynamo_tiered_kv.connectors.vllm.rendezvous import socket_path
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setenv("TMPDIR", str(deep))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    key = f"engine-{uuid.uuid4().hex}-dp0"
+    assert len(socket_path(key).encode()) <= 107
+    server = LookupServer(key, FakeLookup({b"x" * 16}).lookup, authkey=b"k")
+    try:
+        assert LookupClient(key, b"k").lookup([b"x" * 16]) == (1, ("host",))
+    finally:
+        server.close()
+
+
 class _FailingStore:
     """Store stub: loads fail for ``bad`` blocks; offloads are recorded."""
 

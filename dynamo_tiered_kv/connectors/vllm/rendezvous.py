@@ -17,6 +17,7 @@ load error and vLLM recomputes it.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import tempfile
@@ -35,8 +36,16 @@ def engine_key(engine_id: str, dp_rank: int) -> str:
     return f"{engine_id}-dp{dp_rank}"
 
 
+_SUN_PATH_MAX = 107  # bytes in sockaddr_un.sun_path, less the terminating NUL
+
+
 def socket_path(key: str) -> str:
-    return os.path.join(tempfile.gettempdir(), f"dtkv-{key}.sock")
+    """The lookup socket of an engine: under TMPDIR, or under /tmp by a hashed name when that path
+    would overflow ``sun_path`` (a long TMPDIR would otherwise turn every lookup into a miss)."""
+    path = os.path.join(tempfile.gettempdir(), f"dtkv-{key}.sock")
+    if len(os.fsencode(path)) <= _SUN_PATH_MAX:
+        return path
+    return os.path.join("/tmp", f"dtkv-{hashlib.blake2b(key.encode(), digest_size=10).hexdigest()}.sock")
 
 
 def register_local(key: str, fn: LookupFn) -> None:
