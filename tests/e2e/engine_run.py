@@ -73,6 +73,18 @@ def _wait_file(path: str, timeout: float = 300.0) -> None:
         time.sleep(0.05)
 
 
+def _wait_object_index(store, timeout: float = 120.0) -> None:
+    """The object tier indexes the bucket in the background and misses until then (a start never
+    waits on a bucket); these tests check restores, so they wait for the index first."""
+    if store is None:
+        return
+    deadline = time.monotonic() + timeout
+    while not all(getattr(t, "index_ready", True) for t in store.tiers):
+        if time.monotonic() > deadline:
+            raise TimeoutError("object tier index not ready")
+        time.sleep(0.05)
+
+
 def main(spec_path: str, out_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -100,6 +112,7 @@ def main(spec_path: str, out_path: str) -> None:
         sched = llm.llm_engine.engine_core.engine_core.scheduler
         orig = sched.kv_event_publisher.publish
         sched.kv_event_publisher.publish = lambda batch: (published.extend(batch.events), orig(batch))
+    _wait_object_index(_store(conn))
     rounds = []
     for r in spec.get("rounds", [{}]):
         if r.get("wait_for_file"):

@@ -47,4 +47,5 @@ def test_demo_text_output_shows_dash_without_restore_and_cleans_up(tmp_path: Pat
     live_turn1 = next(ln for ln in lines if ln.split()[:1] == ["1"])
     assert live_turn1.split()[6] == "-", live_turn1  # speedup column: nothing restored in live turn 1
     assert lines[-1].startswith("dtkv demo OK") and "removed (--keep keeps it)" in lines[-1]
-    assert list(tmp_path.iterdir()) == []
+    # the demo's own work directory is gone (vLLM and torch leave their own temp files in TMPDIR)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("dtkv-demo-")] == []
