@@ -88,6 +88,11 @@ class TieredKVConfig(BaseSettings):
     load_async: bool = Field(
         True, description="restore in the background while the batch keeps decoding (vLLM WAITING_FOR_REMOTE_KVS)"
     )
+    cache_reset: Literal["new_epoch", "keep"] = Field(
+        "new_epoch", description="on vLLM's connector cache reset (weight update, and every sleep/pause with "
+        "clear_cache): new_epoch makes all stored KV unreachable; keep ignores it (only if weights never change "
+        "in place)"
+    )
 
     # --- observability ---------------------------------------------------------------------------
     metrics_port: int | None = Field(

@@ -106,3 +106,15 @@ def test_worker_drops_host_and_ssd_blocks_on_reset(tmp_path) -> None:
     finally:
         w.shutdown()
 
+
+
+def test_cache_reset_keep_leaves_stored_kv_in_use() -> None:
+    """vLLM resets connectors on every sleep/pause with clear_cache; ``keep`` is for weights that
+    never change in place: keys stay the same and nothing is dropped."""
+    r = SchedulerRole(TieredKVConfig.from_mapping({"cache_reset": "keep"}), model_id="m", block_size=BS,
+                      lookup=FakeLookup(set()))
+    before = r._state(FakeRequest("a", list(range(9)))).hashes_upto(2)
+    assert r.reset_cache() is True
+    assert r._state(FakeRequest("c", list(range(9)))).hashes_upto(2) == before
+    meta = r.build_connector_meta(sched_output())
+    assert meta.reset_cache is False

@@ -306,7 +306,14 @@ class SchedulerRole:
         this node or any other. Requests alive across the reset neither load nor save any more
         (their KV may mix old and new weights). The next step tells the workers to drop their
         host and SSD blocks; the shared object tier's old keys expire by TTL and GC.
+
+        vLLM also resets connectors on every pause/sleep with ``clear_cache`` (sleep level >= 1),
+        where the weights usually stay the same; it cannot tell us which, so the safe answer is the
+        default, and ``cache_reset: keep`` is for deployments whose weights never change in place.
         """
+        if self.config.cache_reset == "keep":
+            log.info("TieredKVConnector: cache reset ignored (cache_reset: keep); stored KV stays in use")
+            return True
         self._epoch = secrets.token_hex(16)
         for st in self._reqs.values():
             st.ns = None  # (async loads still running report every block failed: see onboard.reset)
