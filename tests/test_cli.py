@@ -51,9 +51,7 @@ def _missing_help(p: argparse.ArgumentParser, path: str) -> list[str]:
 
 def _commands() -> list:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    marks = {"bench": pytest.mark.xfail(reason="bench options are reworked under issue 15 item 5 (other owners); "
-                                        "drop this mark once they all have help", strict=False)}
-    return [pytest.param(n, marks=marks.get(n, ())) for n in sorted(sub.choices)]
+    return sorted(sub.choices)
 
 
 @pytest.mark.parametrize("command", _commands())

@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks-per-manifest", type=int, default=128, help="records per data object (256 MiB of 2 MiB)")
     p.add_argument("--new-manifests", type=int, default=100, help="manifests added before the refresh")
     p.add_argument("--endpoint", help="S3 endpoint (e.g. http://127.0.0.1:7480); default: a local directory")
-    p.add_argument("--bucket", default="dtkv-bench-index")
+    p.add_argument("--bucket", default="dtkv-bench-index", help="bucket on --endpoint (created if missing)")
     p.add_argument("--dir", help="local directory (default: a temporary one, removed after)")
 
 

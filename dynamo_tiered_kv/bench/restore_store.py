@@ -40,14 +40,15 @@ SHAPES = {"qwen2-7b-ish": (8, 2, 128), "qwen2.5-0.5b": (24, 2, 64), "llama-3.1-8
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiers", default="host,ssd,objdir", help="comma list of host, ssd, objdir, s3")
     p.add_argument("--shape", choices=list(SHAPES), default="qwen2-7b-ish", help="layers, KV heads, head size")
-    p.add_argument("--blocks", type=int, default=504)
+    p.add_argument("--blocks", type=int, default=504, help="blocks restored per load (504 x 128 KiB = 63 MiB)")
     p.add_argument("--dir", default=None, help="directory on the SSD under test (default: a temp dir)")
     p.add_argument("--qd", type=int, default=4, help="raw SSD reads in flight")
     p.add_argument("--piece-mib", type=int, default=8, help="raw read size")
     p.add_argument("--ssd-io", choices=["auto", "nixl", "odirect"], default="auto", help="SSD tier I/O path")
-    p.add_argument("--s3-endpoint", default=os.environ.get("DTKV_S3_ENDPOINT"))
-    p.add_argument("--s3-concurrency", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--s3-endpoint", default=os.environ.get("DTKV_S3_ENDPOINT"),
+                   help="S3 server for the s3 tier (default $DTKV_S3_ENDPOINT, else a moto server)")
+    p.add_argument("--s3-concurrency", type=int, default=8, help="ranged GETs in flight (s3_max_concurrency)")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds of load and raw read")
 
 
 def _progress(msg: str) -> None:
