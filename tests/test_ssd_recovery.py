@@ -3,7 +3,6 @@ never disables the tier (item 8): it is quarantined and the rest is served."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import shutil
@@ -12,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from dynamo_tiered_kv.testing import make_record, random_key, small_shape
+from dynamo_tiered_kv.testing.ssd import open_ssd_tier
+from dynamo_tiered_kv.testing.ssd import read_whole as read
 from dynamo_tiered_kv.tiers.ssd import SSDTier, metrics
 from dynamo_tiered_kv.tiers.ssd.segment import TOMBSTONE_FILE, list_segments
 
@@ -25,22 +26,8 @@ def rec(i: int) -> tuple[bytes, bytes]:
 
 
 async def opened(path: Path, **kw) -> SSDTier:
-    kw.setdefault("capacity_bytes", 64 << 20)
-    kw.setdefault("segment_bytes", 256 << 10)
-    kw.setdefault("idle_seal_s", None)
     kw.setdefault("io", "buffered")
-    t = SSDTier(path, **kw)
-    await asyncio.wait_for(t.open(), 20)  # a FIFO must never block recovery
-    assert t.available, t.disabled_reason
-    return t
-
-
-async def read(t: SSDTier, key: bytes) -> bytes | None:
-    n = t.size_of(key)
-    if n is None:
-        return None
-    buf = bytearray(n)
-    return bytes(buf) if await t.read_into(key, memoryview(buf)) is not None else None
+    return await open_ssd_tier(path, **kw)
 
 
 async def written(path: Path, items: list[tuple[bytes, bytes]], **kw) -> Path:

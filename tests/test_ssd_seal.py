@@ -16,6 +16,8 @@ from dynamo_tiered_kv.keys import Namespace
 from dynamo_tiered_kv.staging import StagingPool
 from dynamo_tiered_kv.store import TieredStore
 from dynamo_tiered_kv.testing import make_record, random_key, small_shape
+from dynamo_tiered_kv.testing.ssd import open_ssd_tier
+from dynamo_tiered_kv.testing.ssd import read_whole as read
 from dynamo_tiered_kv.tiers.host import HostTier
 from dynamo_tiered_kv.tiers.segments import SealedSegment
 from dynamo_tiered_kv.tiers.ssd import SSDTier
@@ -30,18 +32,7 @@ def rec(i: int) -> tuple[bytes, bytes]:
 
 
 async def opened(path: Path, **kw) -> SSDTier:
-    t = SSDTier(path, capacity_bytes=64 << 20, segment_bytes=64 << 10, idle_seal_s=None, io="buffered", **kw)
-    await t.open()
-    assert t.available, t.disabled_reason
-    return t
-
-
-async def read(t: SSDTier, key: bytes) -> bytes | None:
-    n = t.size_of(key)
-    if n is None:
-        return None
-    buf = bytearray(n)
-    return bytes(buf) if await t.read_into(key, memoryview(buf)) is not None else None
+    return await open_ssd_tier(path, segment_bytes=64 << 10, io="buffered", **kw)
 
 
 def fail_seals(t: SSDTier, monkeypatch: pytest.MonkeyPatch) -> list[int]:

@@ -13,6 +13,8 @@ import pytest
 from dynamo_tiered_kv.errors import TierFull
 from dynamo_tiered_kv.staging import StagingPool
 from dynamo_tiered_kv.testing import make_record, random_key, small_shape
+from dynamo_tiered_kv.testing.ssd import open_ssd_tier
+from dynamo_tiered_kv.testing.ssd import read_whole as read
 from dynamo_tiered_kv.tiers.base import ReadRequest
 from dynamo_tiered_kv.tiers.ssd import SSDTier
 from dynamo_tiered_kv.tiers.ssd.index import CompactIndex
@@ -27,22 +29,7 @@ def rec(i: int, seed: int = 0) -> tuple[bytes, bytes]:
 
 
 async def opened(path: Path, **kw) -> SSDTier:
-    kw.setdefault("capacity_bytes", 64 << 20)
-    kw.setdefault("segment_bytes", 256 << 10)
-    kw.setdefault("idle_seal_s", None)
-    t = SSDTier(path, **kw)
-    await t.open()
-    assert t.available, t.disabled_reason
-    return t
-
-
-async def read(t: SSDTier, key: bytes) -> bytes | None:
-    n = t.size_of(key)
-    if n is None:
-        return None
-    buf = bytearray(n)
-    got = await t.read_into(key, memoryview(buf))
-    return None if got is None else bytes(buf)
+    return await open_ssd_tier(path, **kw)
 
 
 # --- index ---------------------------------------------------------------------------------
