@@ -152,3 +152,31 @@ async def test_damaged_manifest_is_ignored(tmp_path: Path) -> None:
     await again.wait_ready()  # open() returns at once; the index builds in the background
     assert again.usage().num_blocks == 0
     await again.close()
+
+
+def test_fsck_command_checks_every_namespace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Tiers with a namespace write under ns/<hex>/: `dtkv fsck URL` must verify those records too."""
+    import asyncio
+
+    root = tmp_path / "obj"
+
+    async def fill(ns: bytes, tag: int) -> list[tuple[bytes, bytes]]:
+        tier = ObjectTier(LocalDirBackend(root), namespace=ns)
+        await tier.open()
+        await tier.wait_ready()
+        recs = _recs(300 + tag, 3)
+        await tier.write_many((k, memoryview(v)) for k, v in recs)
+        await tier.close()
+        return recs
+
+    asyncio.run(fill(b"\x01" * 16, 0))
+    recs = asyncio.run(fill(b"\x02" * 16, 1))
+    assert dtkv(["fsck", f"file://{root}", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["records_ok"] == 6
+    data = next(p for p in root.rglob("*") if p.is_file() and p.parent.name == "data"
+                and ("02" * 16) in str(p))
+    raw = bytearray(data.read_bytes())
+    raw[len(recs[0][1]) + 5000] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert dtkv(["fsck", f"file://{root}"]) == 1
+    assert recs[1][0].hex() in capsys.readouterr().out

@@ -71,16 +71,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _fsck_url(target: str, settings: settings_cli.Settings, as_json: bool) -> int:
-    from ..tiers.objectstore import backend_from_url
-    from ..tiers.objectstore.fsck import fsck_backend
+    from ..tiers.objectstore.fsck import fsck_url
 
     async def go() -> FsckReport:
-        backend = backend_from_url(target, **settings.s3_kwargs())
-        await backend.open()
-        try:
-            return await fsck_backend(backend)
-        finally:
-            await backend.close()
+        return await fsck_url(target, **settings.s3_kwargs())
 
     try:
         rep = asyncio.run(go())

@@ -1,4 +1,4 @@
-"""Verify every record in an object store: ``fsck_objects("s3://bucket/prefix")``.
+"""Verify every record in an object store: ``await fsck_url("s3://bucket/prefix")``.
 
 For each manifest: the manifest parses and its checksum holds, its data object exists with the
 recorded size, and every record verifies (``codec.verify_record``: header and payload
@@ -11,14 +11,11 @@ as a problem above, and ``dtkv gc`` resolves every marker.
 
 from __future__ import annotations
 
-import asyncio
-import json
-import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ...codec import verify_record
-from ...errors import RecordError, TierUnavailable
+from ...errors import RecordError
 from ..segments import SegmentEntry
 from .backend import ObjectBackend
 from .layout import NamespaceView, list_namespaces, ns_prefix
@@ -114,7 +111,9 @@ async def _check_run(backend: ObjectBackend, name: str, run: list[SegmentEntry],
         rep.bytes_verified += e.length
 
 
-async def _fsck_url(target: str, chunk_bytes: int, **s3_kwargs: Any) -> FsckReport:
+async def fsck_url(target: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, **s3_kwargs: Any) -> FsckReport:
+    """Check ``target`` (``s3://bucket/prefix`` or ``file:///dir``): the legacy root layout and every
+    ``ns/<hex>/`` namespace under it, in one report (object names carry their namespace prefix)."""
     backend = backend_from_url(target, **s3_kwargs)
     await backend.open()
     try:
@@ -132,32 +131,3 @@ async def _fsck_url(target: str, chunk_bytes: int, **s3_kwargs: Any) -> FsckRepo
         return rep
     finally:
         await backend.close()
-
-
-def fsck_objects(target: str, *, as_json: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 **s3_kwargs: Any) -> int:
-    """Check ``target`` (``s3://bucket/prefix`` or ``file:///dir``) and print a report.
-
-    Returns:
-        0 if every record verified (orphans are only warnings), 1 if anything is corrupt or
-        missing, 2 if the store could not be checked at all.
-    """
-    try:
-        rep = asyncio.run(_fsck_url(target, chunk_bytes, **s3_kwargs))
-    except (TierUnavailable, ValueError) as e:
-        print(f"dtkv fsck: cannot check {target}: {e}", file=sys.stderr)
-        return 2
-    if as_json:
-        print(json.dumps(rep.to_dict(), indent=2))
-    else:
-        print(f"{target}: {rep.manifests} manifests, {rep.data_objects} data objects, {rep.records_ok} records "
-              f"verified ({rep.bytes_verified / 2**20:.1f} MiB), {len(rep.orphans)} orphans")
-        for o in rep.orphans:
-            print(f"warning: orphan data object {o} (dtkv gc removes it after the grace period)")
-        for q in rep.quarantined:
-            print(f"warning: quarantined {q} (dtkv gc re-verifies and resolves it)")
-        for p in rep.problems:
-            where = p.object + (f" @ offset {p.offset}" if p.offset is not None else "")
-            print(f"CORRUPT: {where}{' key ' + p.key if p.key else ''}: {p.error}")
-        print(f"{len(rep.problems)} problems" if rep.problems else "clean")
-    return 1 if rep.problems else 0
