@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ...codec import MAGIC, verify_record
 from ...errors import RecordError
-from .quarantine import open_regular
+from .quarantine import open_regular, read_regular
 from .recovery import newest_segment, scan_records
 from .segment import LOCK_FILE, TOMBSTONE, TOMBSTONE_FILE, list_segments, parse_tombstones, read_footer
 
@@ -89,11 +89,7 @@ def fsck_dir(path: Path) -> FsckReport:
 
 def _check_tombstones(path: Path, report: FsckReport) -> None:
     try:
-        fd = open_regular(path, os.O_RDONLY)
-        try:
-            raw = b"".join(iter(lambda: os.read(fd, 1 << 20), b""))
-        finally:
-            os.close(fd)
+        raw = read_regular(path)
     except FileNotFoundError:
         return
     except OSError as e:

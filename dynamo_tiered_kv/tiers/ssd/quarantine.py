@@ -54,6 +54,15 @@ def open_regular(path: Path, flags: int, mode: int = 0o644) -> int:
     return fd
 
 
+def read_regular(path: Path) -> bytes:
+    """The whole content of a regular file (``open_regular``'s refusals apply)."""
+    fd = open_regular(path, os.O_RDONLY)
+    try:
+        return b"".join(iter(lambda: os.read(fd, 1 << 20), b""))
+    finally:
+        os.close(fd)
+
+
 def is_regular(path: Path) -> bool:
     try:
         return stat.S_ISREG(os.stat(path).st_mode)

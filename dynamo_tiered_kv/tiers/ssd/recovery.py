@@ -27,7 +27,7 @@ from ..._fileio import fsync_dir
 from ...codec import ALIGN, MAGIC, align_up, decode_header, verify_record
 from ...errors import RecordError
 from . import metrics
-from .quarantine import is_regular, open_regular, quarantine
+from .quarantine import is_regular, open_regular, quarantine, read_regular
 from .segment import (
     ENTRY_DTYPE,
     TOMBSTONE,
@@ -202,11 +202,7 @@ def load_tombstones(rank_dir: Path, live_seqs: set[int]) -> set[tuple[int, int]]
     """Dead (seq, offset) locations; compacts the log to the segments that still exist."""
     path = rank_dir / TOMBSTONE_FILE
     try:
-        fd = open_regular(path, os.O_RDONLY)
-        try:
-            raw = b"".join(iter(lambda: os.read(fd, 1 << 20), b""))
-        finally:
-            os.close(fd)
+        raw = read_regular(path)
     except FileNotFoundError:
         return set()
     except OSError as e:  # deleted or superseded copies may come back: still valid records of their keys
