@@ -1,5 +1,6 @@
 """build_store wires config to real tiers: host + SSD + local-directory objects with a flusher."""
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,10 @@ def test_offload_flush_and_restore_from_objects_only(tmp_path: Path) -> None:
     shutil.rmtree(tmp_path / "ssd")
     store2 = build_store(_config(tmp_path), NS)
     try:
+        objects = store2.tiers[-1]
+        deadline = time.monotonic() + 60
+        while not objects.index_ready and time.monotonic() < deadline:  # indexed in the background
+            time.sleep(0.05)
         look = store2.lookup(keys)
         assert look.num_blocks == 6 and set(look.tier_per_block) == {"object"}
         dst = _layout(2)

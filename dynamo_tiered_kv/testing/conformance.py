@@ -191,6 +191,9 @@ class TierConformanceTests:
                 path = tmp_path_factory.mktemp("stateful")
                 self.tier = self.loop.run_until_complete(suite.make_tier(path, 64 << 20))
                 self.loop.run_until_complete(self.tier.open())
+                ready = getattr(self.tier, "wait_ready", None)  # tiers that index in the background
+                if ready is not None:
+                    assert self.loop.run_until_complete(ready(60)), "tier index never became ready"
                 self.model: dict[bytes, bytes] = {}
 
             def run(self, coro):
