@@ -8,18 +8,16 @@ Not thread-safe: a catalog being built belongs to one worker thread until the ti
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
 from ...keys import KEY_BYTES
 from .index import DEAD, U32_MAX, CompactObjectIndex, ObjectTable, split_keys
 from .layout import manifest_name_ms, parse_data_name, parse_manifest_name
-from .manifest import MANIFEST_VERSION, ManifestError
+from .manifest import ManifestError, checked_body
 from .snapshot import OBJ_DTYPE, Snapshot
 
 log = logging.getLogger(__name__)
@@ -40,13 +38,7 @@ class Parsed:
 def parse_manifest(raw: bytes) -> Parsed:
     """Parse and check a manifest exactly as ``Manifest.from_bytes`` does, into columns."""
     try:
-        doc = json.loads(raw)
-        body = doc["body"]
-        canon = json.dumps(body, separators=(",", ":"), sort_keys=True)
-        if xxhash.xxh3_64_hexdigest(canon.encode()) != doc["xxh3"]:
-            raise ManifestError("manifest checksum mismatch")
-        if body["version"] != MANIFEST_VERSION:
-            raise ManifestError(f"manifest version {body['version']} is not {MANIFEST_VERSION}")
+        body = checked_body(raw)
         ents = body["entries"]
         keys = bytes.fromhex("".join(e[0] for e in ents))
         off = np.array([e[1] for e in ents], dtype=np.int64).reshape(-1)

@@ -125,13 +125,7 @@ class Manifest:
     @classmethod
     def from_bytes(cls, raw: bytes) -> Manifest:
         try:
-            doc = json.loads(raw)
-            body = doc["body"]
-            canon = json.dumps(body, separators=(",", ":"), sort_keys=True)
-            if xxhash.xxh3_64_hexdigest(canon.encode()) != doc["xxh3"]:
-                raise ManifestError("manifest checksum mismatch")
-            if body["version"] != MANIFEST_VERSION:
-                raise ManifestError(f"manifest version {body['version']} is not {MANIFEST_VERSION}")
+            body = checked_body(raw)
             entries = tuple(SegmentEntry(bytes.fromhex(k), int(o), int(n)) for k, o, n in body["entries"])
             return cls(str(body["data"]), int(body["data_size"]), float(body["created_at"]), entries,
                        str(body.get("origin", "")))
@@ -139,3 +133,20 @@ class Manifest:
             raise
         except (ValueError, KeyError, TypeError) as e:
             raise ManifestError(f"unreadable manifest: {type(e).__name__}: {e}") from None
+
+
+def checked_body(raw: bytes) -> dict:
+    """A manifest's body once its checksum and version hold.
+
+    Raises:
+        ManifestError: checksum mismatch or another version; JSON and lookup errors propagate
+            for the caller to report as an unreadable manifest.
+    """
+    doc = json.loads(raw)
+    body = doc["body"]
+    canon = json.dumps(body, separators=(",", ":"), sort_keys=True)
+    if xxhash.xxh3_64_hexdigest(canon.encode()) != doc["xxh3"]:
+        raise ManifestError("manifest checksum mismatch")
+    if body["version"] != MANIFEST_VERSION:
+        raise ManifestError(f"manifest version {body['version']} is not {MANIFEST_VERSION}")
+    return body
