@@ -225,6 +225,35 @@ def test_no_store_reports_the_restore_failed_at_once() -> None:
     assert w.get_finished(set()) == {"r"} and w.get_block_ids_with_load_errors() == {1, 2}
 
 
+def test_idle_step_metadata_says_so_only_when_nothing_is_scheduled() -> None:
+    r, req = _role(), FakeRequest("r", list(range(22)))
+    _admit(r, req)
+    assert r.build_connector_meta(sched_output()).idle
+    other = FakeRequest("d", list(range(8)))
+    r.get_num_new_matched_tokens(other, 0)
+    assert not r.build_connector_meta(sched_output(new=[("d", [20], 0)], tokens={"d": 8})).idle
+
+
+def test_idle_step_waits_for_a_restore_to_end_but_no_longer_than_the_cap(monkeypatch) -> None:
+    from dynamo_tiered_kv.connectors.vllm import worker
+
+    monkeypatch.setattr(worker, "IDLE_STEP_WAIT_S", 0.3)  # long enough to tell apart on a loaded VM
+    store = _GatedStore()
+    w = _worker(store)
+    w.start_load_kv(TieredKVMetadata(loads=[_spec("r", [1, 2])]))
+    t0 = time.monotonic()
+    assert w.get_finished(set()) == set()  # a busy step never waits
+    assert w.get_finished(set(), idle=True) == set()  # nothing ended: back after the cap
+    assert 0.27 <= time.monotonic() - t0 < 2.0
+    monkeypatch.setattr(worker, "IDLE_STEP_WAIT_S", 30.0)
+    threading.Timer(0.05, store.gate.set).start()
+    t0 = time.monotonic()
+    # The restore ends during the wait: this very step reports it, long before the cap.
+    assert w.get_finished(set(), idle=True) == {"r"}
+    assert time.monotonic() - t0 < 10.0
+    w.shutdown()
+
+
 def test_connector_get_finished_shape() -> None:
     from dynamo_tiered_kv.connectors.vllm.connector import TieredKVConnector
 

@@ -107,7 +107,9 @@ class TieredKVConnector(KVConnectorBase_V1):
         """(finished sending: none, saves never hold blocks; finished receiving: async restores over)."""
         if self._worker is None:
             return None, None
-        return None, self._worker.get_finished(finished_req_ids) or None
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        idle = isinstance(meta, TieredKVMetadata) and meta.idle
+        return None, self._worker.get_finished(finished_req_ids, idle=idle) or None
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # whole blocks are saved once per step in wait_for_save

@@ -52,3 +52,6 @@ class TieredKVMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     #: the scheduler's cache was reset (weights changed): workers drop their host and SSD blocks
     reset_cache: bool = False
+    #: nothing is scheduled this step (every request waits for its restore): the worker may block
+    #: briefly in ``get_finished`` instead of letting the engine loop spin on the GIL
+    idle: bool = False

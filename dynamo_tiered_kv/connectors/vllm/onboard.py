@@ -75,6 +75,7 @@ class Onboarder:
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="dtkv-onboard")
         self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)  # notified whenever a restore ends
         self._jobs: dict[str, list[_Job]] = {}  # per request: normally one; all reported together
         self._closed = False
 
@@ -115,6 +116,7 @@ class Onboarder:
         with self._lock:
             job.load_s = time.monotonic() - job.started
             job.failed, job.tiers, job.done = failed, tiers, True
+            self._ended.notify_all()
 
     def poll(self, finished_req_ids: Iterable[str] = ()) -> list[Restored]:
         """Requests whose every restore is over (each reported once); ``finished_req_ids``: requests
@@ -138,6 +140,19 @@ class Onboarder:
                 started = max((j.started or j.submitted) for j in jobs)
                 out.append(Restored(req_id, failed, tiers, started - first, sum(j.load_s for j in jobs), now - first))
         return out
+
+    def wait_for_any(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` (GIL released) until some request's restores are all over;
+        True if one is ready to be polled. For idle engine steps: vLLM's engine loop runs back to
+        back while every request waits for its KV (in-process engines without any sleep), and a
+        Python loop that never waits starves the restore threads of the GIL (each hand-off then
+        takes up to the interpreter's 5 ms switch interval)."""
+
+        def ready() -> bool:
+            return any(all(j.done for j in jobs) for jobs in self._jobs.values())
+
+        with self._lock:
+            return self._ended.wait_for(ready, timeout_s) if self._jobs else False
 
     def reset(self) -> None:
         """The weights changed: restores in flight bring old KV; report all their blocks failed."""

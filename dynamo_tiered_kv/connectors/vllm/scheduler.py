@@ -158,7 +158,8 @@ class SchedulerRole:
         st.saved = max(st.saved, local_blocks + ext_blocks)
 
     def build_connector_meta(self, scheduler_output: Any) -> TieredKVMetadata:
-        meta = TieredKVMetadata(reset_cache=self._reset_pending)
+        meta = TieredKVMetadata(reset_cache=self._reset_pending,
+                                idle=not any(scheduler_output.num_scheduled_tokens.values()))
         self._reset_pending = False
         loading: list[int] = []  # engine blocks restored synchronously in this step
         meta.loads, self._orphans = self._orphans, []

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _SERVED_HISTORY = 1024
+#: longest an idle engine step waits in ``get_finished`` for a restore to end: a request arriving
+#: meanwhile is scheduled at most this much later (vLLM's own engine loop sleeps 1 ms there)
+IDLE_STEP_WAIT_S = 0.005
 #: store keys remembered for KV events (LRU; about 100 bytes + 4 per token each)
 _TRACKED_BLOCKS = 1 << 18
 
@@ -129,8 +132,14 @@ class WorkerRole:
             raise RuntimeError("store closed")
         return store.load(layout, block_ids, keys, timeout=timeout)
 
-    def get_finished(self, finished_req_ids: set[str]) -> set[str]:
-        """Requests whose async restore is over; their failed blocks go into this step's load errors."""
+    def get_finished(self, finished_req_ids: set[str], idle: bool = False) -> set[str]:
+        """Requests whose async restore is over; their failed blocks go into this step's load errors.
+
+        ``idle``: nothing ran this step; wait up to ``IDLE_STEP_WAIT_S`` for a restore to end
+        (returns as soon as one does) so the engine loop does not spin against the restore threads.
+        """
+        if idle and not finished_req_ids and len(self._onboard):
+            self._onboard.wait_for_any(IDLE_STEP_WAIT_S)
         done = self._onboard.poll(finished_req_ids)
         for r in done:
             self._note_restored(r)
