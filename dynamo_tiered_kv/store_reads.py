@@ -144,7 +144,11 @@ class ChunkReads:
 
         def start(wait: float | None) -> bool:
             nonlocal next_i
-            end = min(n, next_i + (first if next_i == 0 else per_chunk))
+            if next_i == 0:
+                end = min(n, first)
+            else:  # the rest in equal chunks: no small tail chunk left queued behind the others
+                left = n - next_i
+                end = next_i + -(-left // -(-left // per_chunk))
             sources = {self._fastest(k) for k in keys[next_i:end]}
             # GPU-direct only when every block of the chunk is in a GPU-direct tier (else host staging)
             gd = sources if self._device_fits(layout) and None not in sources else set()

@@ -14,22 +14,29 @@ from dynamo_tiered_kv.bench import _restore_report as report
 from dynamo_tiered_kv.bench import interference, restore
 
 
-def _sess(long: float, short: float, raw_s: float | None, kind: str = "odirect", stages: bool = True) -> dict:
+def _sess(long: float, short: float, raw_s: float | None, kind: str = "odirect", stages: bool = True,
+          resident: float | None = None, tokens: tuple[list[int], list[int]] = ([5], [5])) -> dict:
     st = {"read_s": {"ssd": 0.04}, "read_bytes": {"ssd": 63 << 20}, "wait_s": 0.01, "decode_s": 0.02,
           "total_s": 0.05, "chunks": 4} if stages else None
-    rnd = {"long": {"ttft_ms": long, "cached_tokens": 8064, "load_hook_ms": 50.0, "stages": st},
-           "short": {"ttft_ms": short, "cached_tokens": 128, "load_hook_ms": 2.0, "stages": st}}
-    return {"rounds": [rnd, rnd], "raw": [raw_s, raw_s] if raw_s else [], "raw_kind": kind, "raw_bytes": 63 << 20}
+    rounds = []
+    for first in tokens:  # one round per restored first token; the prefix cache's is always [5]
+        rnd = {"long": {"ttft_ms": long, "cached_tokens": 8064, "load_hook_ms": 50.0, "stages": st,
+                        "first_token": first, "engine_wait_ms": 60.0 if stages else None},
+               "short": {"ttft_ms": short, "cached_tokens": 128, "load_hook_ms": 2.0, "stages": st}}
+        if resident is not None:
+            rnd["resident"] = {"ttft_ms": resident, "first_token": [5]}
+        rounds.append(rnd)
+    return {"rounds": rounds, "raw": [raw_s, raw_s] if raw_s else [], "raw_kind": kind, "raw_bytes": 63 << 20}
 
 
 def _result(stages: bool = True) -> dict:
     return {"kv_bytes_per_token": 8192, "model": "m", "context_tokens": 8192, "short_tokens": 256, "block_size": 128,
             "object_tier": "S3 http://x (s3://b/p)", "raw_chunk_bytes": 2 << 20, "raw_depth": 8, "rounds": 2,
             "sessions": {"host": _sess(130.0, 100.0, 0.010, "memcpy", stages),
-                         "ssd": _sess(160.0, 100.0, 0.050, stages=stages),
+                         "ssd": _sess(160.0, 100.0, 0.050, stages=stages, resident=110.0, tokens=([5], [6])),
                          "object": _sess(220.0, 100.0, 0.100, "s3", stages),
                          "recompute": {"rounds": [{"long": {"ttft_ms": 10000.0}, "short": {"ttft_ms": 300.0}}]},
-                         "example": _sess(250.0, 110.0, None, "", stages=False)}}
+                         "example": _sess(250.0, 110.0, None, "", stages=False, resident=120.0)}}
 
 
 def test_restore_summary_ratios_and_targets():
@@ -42,8 +49,17 @@ def test_restore_summary_ratios_and_targets():
     assert rows["object"]["reduction_vs_recompute"] == pytest.approx(1 - 220 / 10000)
     assert rows["ssd"]["example_over_ours_marginal"] == pytest.approx(140.0 / 60.0)
     assert rows["ssd"]["stages"]["read_ms"]["ssd"] == pytest.approx(40.0)
+    # overhead = restored - the same prompt from vLLM's prefix cache: 50 ms, i.e. 1.0x the raw read
+    assert rows["ssd"]["overhead_ms"] == pytest.approx(50.0)
+    assert rows["ssd"]["overhead_ratio_raw"] == pytest.approx(1.0)
+    assert rows["ssd"]["example_over_ours_overhead"] == pytest.approx(130.0 / 50.0)
+    assert rows["ssd"]["same_first_token"] == (1, 2)  # one round's restored token differs
+    assert rows["ssd"]["engine_wait_ratio_raw"] == pytest.approx(60.0 / 50.0)
+    assert rows["host"]["overhead_ms"] is None and rows["host"]["same_first_token"] == (0, 0)
     met = {t["goal"].split(" <=")[0].split(" >=")[0]: t["met"] for t in s["targets"]}
-    assert met["ssd marginal restore"] and not met["host marginal restore"] and met["object marginal restore"]
+    assert met["ssd marginal restore (long - short)"] and not met["host marginal restore (long - short)"]
+    assert met["object marginal restore (long - short)"] and met["ssd restore overhead (restored - prefix cache)"]
+    assert "host restore overhead (restored - prefix cache)" not in met  # not measured: no target row
     res["summary"] = s
     text = report.format_tables(res)
     assert "ranged GETs" in text and "MISS" in text and "LoadResult.stages" in text
@@ -101,6 +117,10 @@ def test_restore_quick_engine(tmp_path: Path):
     for r in tiers.values():
         assert r["restored_tokens"] == 896 and r["raw_ms"] and r["raw_ms"] > 0
         assert "ratio_raw" in r and r["reduction_vs_recompute"] is not None  # ratio: None when below noise
+        # the prefix-cache run reuses exactly the restored KV: its first token must be the restored one
+        same, rounds = r["same_first_token"]
+        assert rounds == 2 and same == rounds and "overhead_ms" in r
+        assert r["engine_wait_ms"] and r["engine_wait_ms"] > 0  # async restores report their wait
     assert res["summary"]["example"]["restored_tokens"] == 896
     assert res["summary"]["targets"]
     assert json.loads((tmp_path / "restore.json").read_text())["summary"]["rows"]

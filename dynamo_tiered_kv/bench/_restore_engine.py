@@ -7,7 +7,9 @@
   connector: they are stored), recorded under ``store``;
 * ``rounds``: measured rounds, after one unmeasured round (``warm``, unless false); each round measures
   ``long`` and ``short`` (order alternating), the engine's prefix cache emptied before each, and
-  ``evict`` directories dropped from the page cache before each request (cold files);
+  ``evict`` directories dropped from the page cache before each request (cold files); right after
+  ``long``, the same prompt again from the engine's own prefix cache (``resident``: the same
+  computed tail over the same context, with no restore; its first token is what a restore must give);
 * ``raw``: ceiling measured once per round, between the requests: ``"memcpy"`` (the bytes the long
   restore read), ``"odirect"`` (O_DIRECT ``preadv`` of the long prompt's records in tier
   ``raw_tier``), ``"s3"`` (ranged GETs of them from ``s3_endpoint`` / ``s3_bucket``), or null;
@@ -32,11 +34,21 @@ from ._agentic_engine import Session, _progress
 
 
 class LoadTap:
-    """Wraps ``store.load`` of one store instance: the keys and stage timings of each call."""
+    """Wraps ``store.load`` of one store instance: the keys and stage timings of each call; and the
+    worker's restore reports: how long each request waited in the engine for its restore."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, worker: Any = None) -> None:
         self.calls: list[dict[str, Any]] = []
+        self.waits: list[float] = []
         orig = store.load
+        if worker is not None and hasattr(worker, "_note_restored"):
+            note = worker._note_restored
+
+            def noted(r: Any) -> None:
+                self.waits.append(r.engine_wait_s)  # submission -> reported to vLLM (runnable)
+                note(r)
+
+            worker._note_restored = noted
 
         def load(layout: Any, block_ids: Any, keys: Any, *a: Any, **kw: Any) -> Any:
             res = orig(layout, block_ids, keys, *a, **kw)
@@ -49,6 +61,10 @@ class LoadTap:
 
     def take(self) -> list[dict[str, Any]]:
         out, self.calls = self.calls, []
+        return out
+
+    def take_waits(self) -> list[float]:
+        out, self.waits = self.waits, []
         return out
 
 
@@ -82,6 +98,8 @@ def _measure(s: Session, tap: LoadTap | None, prompt: list[int], spec: dict[str,
         calls = tap.take()
         rec["stages"] = stage_sums(calls)
         rec["_keys"] = [k for c in calls for k in c["keys"]]
+        waits = tap.take_waits()
+        rec["engine_wait_ms"] = sum(waits) * 1000 if waits else None
     return rec
 
 
@@ -90,13 +108,14 @@ def main(spec_path: str, out_path: str) -> None:
     t = time.perf_counter()
     s = Session(spec)
     res: dict[str, Any] = {"engine_start_s": time.perf_counter() - t, "rounds": [], "raw": []}
-    tap = LoadTap(s.store) if s.store is not None else None
+    tap = LoadTap(s.store, s.worker) if s.store is not None else None
     prompts = {"long": spec["long"], "short": spec["short"]}
     done = 0
     if spec.get("store_first"):
         res["store"] = {k: s.measure(p, reset=True) for k, p in prompts.items()}
         if tap is not None:
             tap.take()
+            tap.take_waits()
         if s.store is not None:
             s.store.drain(120)
         done += 1
@@ -105,7 +124,14 @@ def main(spec_path: str, out_path: str) -> None:
     res["raw_kind"] = kind
     for r in range(0 if spec.get("warm", True) else 1, spec["rounds"] + 1):  # round 0: warm, unmeasured
         order = ["long", "short"] if r % 2 else ["short", "long"]
-        recs = {k: _measure(s, tap, prompts[k], spec) for k in order}
+        recs: dict[str, Any] = {}
+        for k in order:
+            recs[k] = _measure(s, tap, prompts[k], spec)
+            if k == "long":  # vLLM's prefix cache holds what was just restored or computed
+                recs["resident"] = s.measure(prompts["long"], reset=False)
+                if tap is not None:
+                    tap.take()
+                    tap.take_waits()
         keys = recs["long"].pop("_keys", None)
         recs["short"].pop("_keys", None)
         if r == 0:  # warm round: resolve the raw ranges of what the long restore read

@@ -19,7 +19,19 @@ def _med(xs: list[float]) -> float | None:
 
 
 def _ttft(sess: dict[str, Any], which: str) -> float | None:
-    return _med([r[which]["ttft_ms"] for r in sess["rounds"]])
+    return _med([r[which]["ttft_ms"] for r in sess["rounds"] if which in r])
+
+
+def _overheads(sess: dict[str, Any]) -> list[float]:
+    """Per round: TTFT of the long prompt restored minus the same prompt from vLLM's own prefix cache
+    (same computed tail over the same context): what the restore itself cost the request."""
+    return [r["long"]["ttft_ms"] - r["resident"]["ttft_ms"] for r in sess["rounds"] if "resident" in r]
+
+
+def _same_first_token(sess: dict[str, Any]) -> tuple[int, int]:
+    """(rounds whose restored first token equals the prefix-cache one, rounds compared)."""
+    pairs = [(r["long"]["first_token"], r["resident"]["first_token"]) for r in sess["rounds"] if "resident" in r]
+    return sum(a == b for a, b in pairs), len(pairs)
 
 
 def _stages(rounds: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -46,6 +58,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     if ex:
         el, es = _ttft(ex, "long"), _ttft(ex, "short")
         out["example"] = {"long_ttft_ms": el, "short_ttft_ms": es, "marginal_ms": el - es,  # type: ignore[operator]
+                          "resident_ttft_ms": _ttft(ex, "resident"), "overhead_ms": _med(_overheads(ex)),
                           "restored_tokens": _med([r["long"]["cached_tokens"] for r in ex["rounds"]]),
                           "load_hook_ms": _med([r["long"]["load_hook_ms"] for r in ex["rounds"]])}
     for tier in TIERS:
@@ -63,9 +76,17 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
             "load_hook_ms": _med([r["long"]["load_hook_ms"] for r in s["rounds"]]),
             "raw_ms": raw_ms, "raw_rounds_ms": [x * 1000 for x in s.get("raw", []) if x is not None],
             "raw_kind": RAW_DESC.get(s.get("raw_kind", ""), ""), "raw_bytes": s.get("raw_bytes"),
-            "stages": _stages(s["rounds"])}
+            "stages": _stages(s["rounds"]), "resident_ttft_ms": _ttft(s, "resident"),
+            "overhead_rounds_ms": _overheads(s), "same_first_token": _same_first_token(s)}
+        row["overhead_ms"] = _med(row["overhead_rounds_ms"])
+        # the request's wait in the engine for its restore (submission -> runnable): the restore as
+        # the engine sees it, without the TTFT's forward-pass noise
+        row["engine_wait_ms"] = _med([r["long"].get("engine_wait_ms") for r in s["rounds"]])
+        row["engine_wait_ratio_raw"] = row["engine_wait_ms"] / raw_ms if raw_ms and row["engine_wait_ms"] else None
         ok = row["marginal_ms"] > 0  # <= 0: the restore is below this run's request-to-request noise
+        ovh = row["overhead_ms"] if row["overhead_ms"] and row["overhead_ms"] > 0 else None
         row["ratio_raw"] = row["marginal_ms"] / raw_ms if raw_ms and ok else None
+        row["overhead_ratio_raw"] = ovh / raw_ms if raw_ms and ovh else None
         row["reduction_vs_recompute"] = 1 - long / rec_long if rec_long else None
         # the store's own time for the long restore (LoadResult.stages.total) against the same raw read
         st_total = row["stages"]["total_ms"] if row["stages"] else None
@@ -74,6 +95,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         if ex:
             row["example_over_ours_marginal"] = out["example"]["marginal_ms"] / row["marginal_ms"] if ok else None
             row["example_over_ours_ttft"] = out["example"]["long_ttft_ms"] / long
+            ex_ovh = out["example"]["overhead_ms"]
+            row["example_over_ours_overhead"] = ex_ovh / ovh if ex_ovh and ovh else None
         out["rows"].append(row)
     out["targets"] = targets(out, res.get("object_tier", ""))
     return out
@@ -86,9 +109,19 @@ def targets(s: dict[str, Any], obj_desc: str) -> list[dict[str, Any]]:
     for tier, lim in RAW_TARGETS.items():
         r = rows.get(tier)
         if r and r["ratio_raw"] is not None:
-            out.append({"goal": f"{tier} marginal restore <= {lim}x {r['raw_kind']}", "measured": r["ratio_raw"],
-                        "fmt": "x", "met": r["ratio_raw"] <= lim})
+            out.append({"goal": f"{tier} marginal restore (long - short) <= {lim}x {r['raw_kind']}",
+                        "measured": r["ratio_raw"], "fmt": "x", "met": r["ratio_raw"] <= lim})
+        if r and r.get("engine_wait_ratio_raw") is not None:
+            out.append({"goal": f"{tier} restore wait in the engine <= {lim}x {r['raw_kind']}",
+                        "measured": r["engine_wait_ratio_raw"], "fmt": "x", "met": r["engine_wait_ratio_raw"] <= lim})
+        if r and r.get("overhead_ratio_raw") is not None:
+            out.append({"goal": f"{tier} restore overhead (restored - prefix cache) <= {lim}x {r['raw_kind']}",
+                        "measured": r["overhead_ratio_raw"], "fmt": "x", "met": r["overhead_ratio_raw"] <= lim})
     r = rows.get("ssd")
+    if r and r.get("example_over_ours_overhead") is not None:
+        out.append({"goal": f">= {EXAMPLE_TARGET}x faster than ExampleConnector cold restore (SSD, overhead)",
+                    "measured": r["example_over_ours_overhead"], "fmt": "x",
+                    "met": r["example_over_ours_overhead"] >= EXAMPLE_TARGET})
     if r and r.get("example_over_ours_marginal") is not None:
         out.append({"goal": f">= {EXAMPLE_TARGET}x faster than ExampleConnector cold restore (SSD, marginal)",
                     "measured": r["example_over_ours_marginal"], "fmt": "x",
@@ -118,34 +151,45 @@ def format_tables(res: dict[str, Any]) -> str:
              f"object tier: {res['object_tier']}; raw reads: {res['raw_chunk_bytes'] >> 10} KiB x "
              f"{res['raw_depth']} in flight; medians of {res['rounds']} rounds",
              "",
-             f"{'tier':<7} {'restored':>8} {'MiB':>5} {'TTFT long':>9} {'short':>6} {'marginal':>8} | "
-             f"{'raw ms':>7} {'raw':<15} {'ours/raw':>8} | {'vs recompute':>12} {'Ex/ours':>7} {'(TTFT)':>6}"]
+             "TTFT long: the long prompt restored; cached: the same prompt from vLLM's own prefix cache;",
+             "marginal = long - short; overhead = long - cached (the restore's own cost); same 1st: restored "
+             "first token equals the prefix-cache one",
+             "",
+             f"{'tier':<7} {'restored':>8} {'MiB':>5} {'TTFT long':>9} {'cached':>6} {'short':>6} {'marginal':>8} "
+             f"{'overhead':>8} | {'raw ms':>7} {'raw':<15} {'marg/raw':>8} {'ovh/raw':>7} | {'vs recomp.':>10} "
+             f"{'Ex/ours':>7} {'(TTFT)':>6} {'same 1st':>8}"]
     for r in s["rows"]:
+        same = r.get("same_first_token") or (0, 0)
         lines.append(f"{r['tier']:<7} {_f(r['restored_tokens'], '.0f'):>8} "
                      f"{_f((r['restored_tokens'] or 0) * kv / 2**20):>5} {r['long_ttft_ms']:>9.1f} "
-                     f"{r['short_ttft_ms']:>6.1f} {r['marginal_ms']:>8.1f} | {_f(r['raw_ms']):>7} "
-                     f"{r['raw_kind']:<15} {_f(r['ratio_raw'], '.2f'):>7}x | "
-                     f"{_f(r['reduction_vs_recompute'] and r['reduction_vs_recompute'] * 100):>11}% "
-                     f"{_f(r.get('example_over_ours_marginal'), '.2f'):>6}x "
-                     f"{_f(r.get('example_over_ours_ttft'), '.2f'):>5}x")
+                     f"{_f(r.get('resident_ttft_ms')):>6} {r['short_ttft_ms']:>6.1f} {r['marginal_ms']:>8.1f} "
+                     f"{_f(r.get('overhead_ms')):>8} | {_f(r['raw_ms']):>7} "
+                     f"{r['raw_kind']:<15} {_f(r['ratio_raw'], '.2f'):>7}x "
+                     f"{_f(r.get('overhead_ratio_raw'), '.2f'):>6}x | "
+                     f"{_f(r['reduction_vs_recompute'] and r['reduction_vs_recompute'] * 100):>9}% "
+                     f"{_f(r.get('example_over_ours_overhead'), '.2f'):>6}x "
+                     f"{_f(r.get('example_over_ours_ttft'), '.2f'):>5}x {same[0]:>5}/{same[1]}")
     rc, ex = s["recompute"], s.get("example")
     lines.append(f"{'recomp.':<7} {'0':>8} {'':>5} {_f(rc['long_ttft_ms']):>9} {_f(rc['short_ttft_ms']):>6}")
     if ex:
         lines.append(f"{'Example':<7} {_f(ex['restored_tokens'], '.0f'):>8} "
                      f"{_f((ex['restored_tokens'] or 0) * kv / 2**20):>5} {ex['long_ttft_ms']:>9.1f} "
-                     f"{ex['short_ttft_ms']:>6.1f} {ex['marginal_ms']:>8.1f} | (cold: files dropped from the page "
+                     f"{_f(ex.get('resident_ttft_ms')):>6} {ex['short_ttft_ms']:>6.1f} {ex['marginal_ms']:>8.1f} "
+                     f"{_f(ex.get('overhead_ms')):>8} | (cold: files dropped from the page "
                      f"cache; load hooks {ex['load_hook_ms']:.1f} ms)")
     staged = [r for r in s["rows"] if r["stages"]]
     if staged:
-        lines += ["", "store restore stages of the long prompt (LoadResult.stages, ms; total / raw read):",
+        lines += ["", "store restore stages of the long prompt (LoadResult.stages, ms; total / raw read); in engine: "
+                  "the request's wait for its restore, submission to runnable:",
                   f"{'tier':<7} {'read':>7} {'MB':>6} {'wait':>7} {'decode':>7} {'total':>7} {'chunks':>6} "
-                  f"{'load hooks':>10} {'total/raw':>9}"]
+                  f"{'load hooks':>10} {'total/raw':>9} {'in engine':>9} {'/raw':>6}"]
         for r in staged:
             st = r["stages"]
             lines.append(f"{r['tier']:<7} {_f(sum(st['read_ms'].values())):>7} {_f(sum(st['read_mb'].values())):>6} "
                          f"{_f(st['wait_ms']):>7} {_f(st['decode_ms']):>7} {_f(st['total_ms']):>7} "
                          f"{_f(st['chunks'], '.0f'):>6} {_f(r['load_hook_ms']):>10} "
-                         f"{_f(r['store_ratio_raw'], '.2f'):>8}x")
+                         f"{_f(r['store_ratio_raw'], '.2f'):>8}x {_f(r.get('engine_wait_ms')):>9} "
+                         f"{_f(r.get('engine_wait_ratio_raw'), '.2f'):>5}x")
     else:
         lines += ["", "(the store reports no restore stages: breakdown skipped)"]
     lines += ["", "targets (issue 11 item 5):"]

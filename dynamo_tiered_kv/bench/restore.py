@@ -6,8 +6,12 @@ token (``QWEN2_BENCH_SPEC``, built offline). Prompts: ``--context`` tokens (8192
 
 **Marginal restore** = TTFT(long prompt restored) - TTFT(short prompt restored), medians over
 ``--rounds`` in the same process: what restoring the long prefix adds beyond the fixed per-request
-cost (scheduling, the last block's prefill, sampling). It is compared with the raw read of the same
-records from the same place in the same process, between the requests:
+cost (scheduling, sampling). It also holds the long prompt's computed tail attending over 8k tokens
+of context, which no restore can avoid (on this CPU engine most of it). So each round also runs the
+long prompt once more from vLLM's own prefix cache (the same tail over the same context, nothing
+restored): **restore overhead** = TTFT(restored) - TTFT(prefix cache), what the restore itself cost
+the request, and the restored first token must equal the prefix-cache one. Both are compared with
+the raw read of the same records from the same place in the same process, between the requests:
 
 * host tier (the process that stored the prompts): ``memcpy`` of the bytes the restore read;
 * SSD (new process, host tier off, files dropped from the page cache): O_DIRECT ``preadv`` of the
