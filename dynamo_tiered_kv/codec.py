@@ -169,12 +169,7 @@ def encode_blocks(
         ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
         gather_records(layout.layer_views, ids, torch.from_numpy(dst), record_bytes=rb, header_bytes=hb, layer_bytes=lb)
         layout.synchronize()
-        mv = memoryview(dst)
-        for i in range(n):
-            base = i * rb + hb
-            sums = [xxhash.xxh3_64_intdigest(mv[base + j * lb : base + (j + 1) * lb]) for j in range(nl)]
-            _finish(dst[i * rb : (i + 1) * rb], shape, layout.kind, namespaces[i], keys[i], parents[i], sums)
-        return n * rb
+        return seal_records(dst, shape, layout.kind, namespaces, keys, parents)
     _check_block_ids(layout, block_ids)
     table = layout.fast_table()
     if table is not None:  # compiled path: one call for the whole batch, GIL released
@@ -196,6 +191,19 @@ def encode_blocks(
             sums.append(h64(mv[base + j * lb : base + (j + 1) * lb]))  # hashed while still in cache
         _finish(dst[i * rb : (i + 1) * rb], shape, layout.kind, namespaces[i], keys[i], parents[i], sums)
     return n * rb
+
+
+def seal_records(dst: np.ndarray, shape: BlockShape, kind: EngineLayoutKind, namespaces: Sequence[bytes],
+                 keys: Sequence[bytes], parents: Sequence[bytes]) -> int:
+    """Checksums and headers of ``len(keys)`` records whose payloads are already in ``dst`` (gathered
+    by a device copy). Returns the bytes of the records."""
+    rb, hb, lb, nl = record_bytes(shape), header_bytes(shape.num_layers), shape.layer_bytes, shape.num_layers
+    mv = memoryview(dst)
+    for i in range(len(keys)):
+        base = i * rb + hb
+        sums = [xxhash.xxh3_64_intdigest(mv[base + j * lb : base + (j + 1) * lb]) for j in range(nl)]
+        _finish(dst[i * rb : (i + 1) * rb], shape, kind, namespaces[i], keys[i], parents[i], sums)
+    return len(keys) * rb
 
 
 def _finish(

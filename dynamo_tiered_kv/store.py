@@ -44,7 +44,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from . import lifecycle
-from .codec import encode_blocks, record_bytes
+from .codec import record_bytes
+from .deferred_encode import Seal, begin_encode
 from .device_staging import DeviceSlab, DeviceSpan, DeviceStagingPool
 from .errors import TierFull, TierUnavailable
 from .keys import BlockKey, Namespace
@@ -289,14 +290,16 @@ class TieredStore(ChunkReads):
                 self._finish_pending()
                 self.metrics.offload_dropped.labels("no_staging").inc()
                 return False
+            seal: Seal | None = None
             try:
+                args = (layout, [block_ids[i] for i, _ in chunk], [self._ns_digest] * len(chunk),
+                        [keys[i] for i, _ in chunk], [parents[i] for i, _ in chunk])
                 if isinstance(slab, DeviceSlab):
-                    from .device_codec import encode_blocks_on_device as encode
-                    out = slab.tensor
-                else:
-                    encode, out = encode_blocks, slab.array
-                encode(layout, [block_ids[i] for i, _ in chunk], [self._ns_digest] * len(chunk),
-                       [keys[i] for i, _ in chunk], [parents[i] for i, _ in chunk], out)
+                    from .device_codec import encode_blocks_on_device
+
+                    encode_blocks_on_device(*args, slab.tensor)
+                else:  # a CUDA engine's copy is only queued here: checksums are the writer's (seal)
+                    seal = begin_encode(*args, slab.array)
             except Exception:
                 self._release(slab)
                 self._finish_pending()
@@ -306,7 +309,7 @@ class TieredStore(ChunkReads):
                 continue
             plan = [(j, keys[i], targets) for j, (i, targets) in enumerate(chunk)]
             self.metrics.offload_blocks.inc(len(plan))
-            self._schedule(self._write_slab(slab, rb, plan), reserved=True)
+            self._schedule(self._write_slab(slab, rb, plan, seal), reserved=True)
         return accepted_all
 
     # --- slabs: host staging, or device staging for GPU-direct tiers ---------------------------
@@ -379,9 +382,17 @@ class TieredStore(ChunkReads):
             log.error("store task failed", exc_info=task.exception())
 
     async def _write_slab(self, slab: Slab | DeviceSlab, rb: int,
-                          plan: Sequence[tuple[int, BlockKey, Sequence[int]]]) -> None:
-        """Write records ``plan = [(slot in slab, key, tier indexes)]`` in order, then free the slab."""
+                          plan: Sequence[tuple[int, BlockKey, Sequence[int]]], seal: Seal | None = None) -> None:
+        """Write records ``plan = [(slot in slab, key, tier indexes)]`` in order, then free the slab.
+        ``seal``: the second half of their encoding (``deferred_encode``), run first off the loop."""
         try:
+            if seal is not None:
+                try:
+                    await asyncio.to_thread(seal)
+                except Exception:  # a failed device copy: the slab's bytes are not a record
+                    log.exception("finishing the encoding of %d offloaded blocks failed; batch dropped", len(plan))
+                    self.metrics.offload_dropped.labels("encode_error").inc()
+                    return
             by_tier: dict[int, list[tuple[BlockKey, memoryview | DeviceSpan]]] = {}
             for j, key, targets in plan:
                 view = slot_view(slab, j * rb, rb)
