@@ -55,6 +55,7 @@ def test_restore_summary_ratios_and_targets():
     assert rows["ssd"]["example_over_ours_overhead"] == pytest.approx(130.0 / 50.0)
     assert rows["ssd"]["same_first_token"] == (1, 2)  # one round's restored token differs
     assert rows["ssd"]["engine_wait_ratio_raw"] == pytest.approx(60.0 / 50.0)
+    assert rows["ssd"]["prefix_cache_reduction"] == pytest.approx(1 - 110 / 10000)  # the ceiling
     assert rows["ssd"]["example_over_ours_wait"] == pytest.approx(50.0 / 60.0)  # its load hooks / our wait
     assert rows["host"]["overhead_ms"] is None and rows["host"]["same_first_token"] == (0, 0)
     met = {t["goal"].split(" <=")[0].split(" >=")[0]: t["met"] for t in s["targets"]}
