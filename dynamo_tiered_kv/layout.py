@@ -17,8 +17,20 @@ Engine layouts (per-layer tensors unless noted) and the canonical format each ma
     VLLM_CPU     [num_blocks, kv_heads, block_size, 2*head_size]    -> VLLM_CPU (packing is the
                  CPU attention backend's; stored as-is, restorable only into the same layout)
 
+SGLang HiCache host pools (one tensor for all layers; a "block" is a host page of ``page_size``
+tokens, ``from_sglang_host``):
+
+    SGL_LAYER_FIRST        [2, layers, tokens, heads, head_dim]              -> KV_SPLIT
+    SGL_PAGE_FIRST         [2, tokens, layers, heads, head_dim]              -> KV_SPLIT
+    SGL_PAGE_FIRST_DIRECT  [2, pages, layers, page_size, heads, head_dim]    -> KV_SPLIT
+    SGL_PAGE_HEAD          [2, pages, heads, page_size, layers, head_dim]    -> KV_SPLIT
+    SGL_MLA_LAYER_FIRST    [layers, tokens, 1, dim]                          -> MLA
+    SGL_MLA_PAGE_FIRST     [tokens, layers, 1, dim]                          -> MLA
+    SGL_MLA_PAGE_FIRST_DIRECT [pages, layers, page_size, 1, dim]             -> MLA
+
 Blocks written from FlashAttention restore into FlashInfer and KVBM and back, since they share
-the KV_SPLIT canonical format.
+the KV_SPLIT canonical format; a SGLang host page of the same model shape holds the same canonical
+payload bytes as a vLLM block of the same tokens (tests/test_sglang_layout.py).
 """
 
 from __future__ import annotations
@@ -46,6 +58,22 @@ class EngineLayoutKind(IntEnum):
     KVBM_FC = 3
     MLA = 4
     VLLM_CPU = 5
+    SGL_LAYER_FIRST = 6
+    SGL_PAGE_FIRST = 7
+    SGL_PAGE_FIRST_DIRECT = 8
+    SGL_PAGE_HEAD = 9
+    SGL_MLA_LAYER_FIRST = 10
+    SGL_MLA_PAGE_FIRST = 11
+    SGL_MLA_PAGE_FIRST_DIRECT = 12
+
+
+#: SGLang ``--hicache-mem-layout`` names -> (MHA kind, MLA kind); None: not mapped
+SGLANG_HOST_LAYOUTS: Mapping[str, tuple[EngineLayoutKind, EngineLayoutKind | None]] = {
+    "layer_first": (EngineLayoutKind.SGL_LAYER_FIRST, EngineLayoutKind.SGL_MLA_LAYER_FIRST),
+    "page_first": (EngineLayoutKind.SGL_PAGE_FIRST, EngineLayoutKind.SGL_MLA_PAGE_FIRST),
+    "page_first_direct": (EngineLayoutKind.SGL_PAGE_FIRST_DIRECT, EngineLayoutKind.SGL_MLA_PAGE_FIRST_DIRECT),
+    "page_head": (EngineLayoutKind.SGL_PAGE_HEAD, None),
+}
 
 
 CANONICAL_OF: Mapping[EngineLayoutKind, CanonicalFormat] = {
@@ -54,6 +82,10 @@ CANONICAL_OF: Mapping[EngineLayoutKind, CanonicalFormat] = {
     EngineLayoutKind.KVBM_FC: CanonicalFormat.KV_SPLIT,
     EngineLayoutKind.MLA: CanonicalFormat.MLA,
     EngineLayoutKind.VLLM_CPU: CanonicalFormat.VLLM_CPU,
+    **{k: CanonicalFormat.KV_SPLIT for k in (EngineLayoutKind.SGL_LAYER_FIRST, EngineLayoutKind.SGL_PAGE_FIRST,
+                                             EngineLayoutKind.SGL_PAGE_FIRST_DIRECT, EngineLayoutKind.SGL_PAGE_HEAD)},
+    **{k: CanonicalFormat.MLA for k in (EngineLayoutKind.SGL_MLA_LAYER_FIRST, EngineLayoutKind.SGL_MLA_PAGE_FIRST,
+                                        EngineLayoutKind.SGL_MLA_PAGE_FIRST_DIRECT)},
 }
 
 
@@ -242,6 +274,78 @@ class EngineLayout:
             f"unrecognised KV cache tensor shape {tuple(t.shape)} for block_size={block_size}, "
             f"kv_heads={num_kv_heads}, head_size={head_size}"
         )
+
+    @classmethod
+    def from_sglang_host(cls, kv_buffer: torch.Tensor, layout: str, page_size: int, *, mla: bool) -> EngineLayout:
+        """Bind a SGLang HiCache host pool's ``kv_buffer`` (``HostKVCache.kv_buffer``); block = host page.
+
+        Each layer's view is ``[page][plane][...]`` with the trailing dims in canonical order
+        (token, head, dim), so the codec copies a page's layer straight into a record and back:
+        one copy, no intermediate page. Layouts whose per-layer plane is contiguous
+        (layer_first, page_first_direct) use the compiled gather/verify; page_first and page_head
+        interleave layers per token, so their planes are strided and take the numpy path.
+        """
+        kinds = SGLANG_HOST_LAYOUTS.get(layout)
+        kind = None if kinds is None else kinds[1 if mla else 0]
+        if kind is None:
+            raise LayoutMismatch(f"SGLang host layout {layout!r} ({'MLA' if mla else 'MHA'}) is not mapped; "
+                                 f"use one of {sorted(k for k, v in SGLANG_HOST_LAYOUTS.items() if v[int(mla)])}")
+        if not kv_buffer.is_contiguous():
+            raise LayoutMismatch("SGLang host kv_buffer must be contiguous")
+        b, ps = _u8(kv_buffer), page_size
+        views: list[torch.Tensor]
+        if mla:  # [L, T, 1, dim] | [T, L, 1, dim] | [P, L, ps, 1, dim]
+            if kind is EngineLayoutKind.SGL_MLA_LAYER_FIRST:
+                L, T, dim = kv_buffer.shape[0], kv_buffer.shape[1], kv_buffer.shape[-1]
+                r = b.reshape(L, T // ps, 1, ps * b.shape[-1])
+                views = [r[j] for j in range(L)]
+            elif kind is EngineLayoutKind.SGL_MLA_PAGE_FIRST:
+                T, L, dim = kv_buffer.shape[0], kv_buffer.shape[1], kv_buffer.shape[-1]
+                r = b.reshape(T // ps, ps, L, b.shape[-1])
+                views = [r[:, :, j].unsqueeze(1) for j in range(L)]
+            else:
+                L, dim = kv_buffer.shape[1], kv_buffer.shape[-1]
+                r = b.reshape(kv_buffer.shape[0], L, 1, ps * b.shape[-1])
+                views = [r[:, j] for j in range(L)]
+            heads, head_size = 1, int(dim)
+        else:  # MHA; K is [0], V is [1]
+            if kind is EngineLayoutKind.SGL_LAYER_FIRST:
+                _, L, T, heads, head_size = kv_buffer.shape
+                r = b.reshape(2, L, T // ps, ps * heads * b.shape[-1])
+                views = [r[:, j].transpose(0, 1) for j in range(L)]
+            elif kind is EngineLayoutKind.SGL_PAGE_FIRST:
+                _, T, L, heads, head_size = kv_buffer.shape
+                r = b.reshape(2, T // ps, ps, L, heads * b.shape[-1])
+                views = [r[:, :, :, j].transpose(0, 1) for j in range(L)]
+            elif kind is EngineLayoutKind.SGL_PAGE_FIRST_DIRECT:
+                _, P, L, _, heads, head_size = kv_buffer.shape
+                r = b.reshape(2, P, L, ps * heads * b.shape[-1])
+                views = [r[:, :, j].transpose(0, 1) for j in range(L)]
+            else:  # page_head [2, P, H, ps, L, D] -> per layer [P][2][ps][H][D]
+                _, P, heads, _, L, head_size = kv_buffer.shape
+                views = [b[:, :, :, :, j].permute(1, 0, 3, 2, 4) for j in range(L)]
+        if (kv_buffer.shape[-1] != head_size) or any(v.shape[0] != views[0].shape[0] for v in views):
+            raise LayoutMismatch(f"SGLang {layout} buffer {tuple(kv_buffer.shape)} does not split into pages")
+        return cls._from_views(kind, [kv_buffer], views,
+                               BlockShape(CANONICAL_OF[kind], DType.from_torch(kv_buffer.dtype), len(views), ps,
+                                          int(heads), int(head_size)))
+
+    @classmethod
+    def _from_views(cls, kind: EngineLayoutKind, tensors: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
+                    shape: BlockShape) -> EngineLayout:
+        """A layout over ready-made per-layer byte views ``[block][plane][...]`` (canonical order)."""
+        per_layer = int(np.prod(views[0].shape[1:]))
+        if per_layer != shape.layer_bytes:
+            raise LayoutMismatch(f"{kind.name}: a layer view holds {per_layer} bytes, the canonical layer "
+                                 f"{shape.layer_bytes}")
+        self = cls.__new__(cls)
+        self.kind, self.shape, self.tensors = kind, shape, list(tensors)
+        self.device = tensors[0].device
+        self.is_cuda = self.device.type == "cuda"
+        self.num_blocks = int(views[0].shape[0])
+        self.layer_views = list(views) if self.is_cuda else [v.numpy() for v in views]
+        self._fast = False
+        return self
 
 
 def allocate_engine_kv(
