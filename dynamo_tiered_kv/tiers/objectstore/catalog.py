@@ -66,6 +66,9 @@ class Catalog:
         self.refused = 0  # entries not indexed (offset/length beyond 4 GiB)
         self.excl_loc: dict[bytes, set[tuple[str, int]]] = {}
         self.excl_key: set[bytes] = set()
+        # columns of ``add_parsed(defer=True)`` batches, merged once by ``finish()``: one sort of
+        # everything instead of an O(n) insert per batch (time, and heap fragments that RSS keeps)
+        self._pending: list[tuple[np.ndarray, ...]] = []
 
     def __len__(self) -> int:
         return len(self.index)
@@ -110,8 +113,12 @@ class Catalog:
         return i
 
     def add_parsed(self, batch: Sequence[tuple[str, Parsed | None]], *, cutoff: float | None,
-                   root: bool = False) -> None:
-        """Index manifests; ``None`` (unreadable) and expired ones are remembered, not indexed."""
+                   root: bool = False, defer: bool = False) -> None:
+        """Index manifests; ``None`` (unreadable) and expired ones are remembered, not indexed.
+
+        ``defer``: only collect the blocks; they are indexed by ``finish()`` (a catalog still being
+        built, which nobody reads meanwhile).
+        """
         cols: list[tuple[np.ndarray, ...]] = []
         for name, p in batch:
             if p is None:
@@ -127,10 +134,24 @@ class Catalog:
         if not cols:
             return
         k0, k1, obj, off, ln = (np.concatenate([c[j] for c in cols]) for j in range(5))
+        self._pending.append((k0, k1, obj, off.astype(np.uint32), ln.astype(np.uint32)))
+        if not defer:
+            self.finish()
+
+    def finish(self) -> None:
+        """Index the blocks collected by deferred ``add_parsed`` calls (in their order: on equal
+        ``created_at`` the later batch wins, as with one call per batch)."""
+        if not self._pending:
+            return
+        if len(self._pending) == 1:
+            k0, k1, obj, off, ln = self._pending[0]
+        else:
+            k0, k1, obj, off, ln = (np.concatenate([c[j] for c in self._pending]) for j in range(5))
+        self._pending = []
         if self.excl_loc or self.excl_key:
             keep = self._not_excluded(k0, k1, obj, off)
             k0, k1, obj, off, ln = k0[keep], k1[keep], obj[keep], off[keep], ln[keep]
-        self.index.merge(k0, k1, obj, off.astype(np.uint32), ln.astype(np.uint32), self.objs.created())
+        self.index.merge(k0, k1, obj, off, ln, self.objs.created())
         self.recount()
 
     def _not_excluded(self, k0: np.ndarray, k1: np.ndarray, obj: np.ndarray, off: np.ndarray) -> np.ndarray:
@@ -145,6 +166,7 @@ class Catalog:
 
     def add_fresh(self, name: str, data: str, created_at: float, entries: Iterable[tuple[bytes, int, int]]) -> None:
         """Index what this node just published (newest wins; lifts this node's exclusions)."""
+        self.finish()
         i = self.names(int(created_at * 1000) - 1).get(name)  # a re-publish of the same manifest
         if i is None:
             i = self._register(name, data, created_at, root=False, gone=False)
@@ -184,6 +206,7 @@ class Catalog:
         ids = np.asarray(ids, dtype=np.int64)
         if not len(ids):
             return
+        self.finish()
         self.objs.rows["flags"][ids] |= ObjectTable.GONE
         self.index.remove_objects(ids.astype(np.uint32))
         self.recount()
@@ -209,6 +232,7 @@ class Catalog:
 
     # --- snapshots ------------------------------------------------------------------------------
     def to_snapshot(self) -> Snapshot:
+        self.finish()
         k0, k1, obj, off, ln = self.index.columns()
         v = self.objs.view
         keep = (v["flags"] & ObjectTable.GONE) == 0

@@ -18,6 +18,9 @@ entries beyond are refused by the caller. Not thread-safe: one owner (the tier's
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 from collections.abc import Iterator
 
 import numpy as np
@@ -38,6 +41,27 @@ def join_keys(k0: np.ndarray, k1: np.ndarray) -> bytes:
     out = np.empty((len(k0), 2), dtype=">u8")
     out[:, 0], out[:, 1] = k0, k1
     return out.tobytes()
+
+
+@functools.cache
+def _malloc_trim() -> ctypes._CFuncPtr | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def release_free_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    Building an index frees hundreds of MB of parsed manifests and sort temporaries in chunks
+    under glibc's mmap threshold; without this they stay in the process RSS (over 100 B/block
+    at 2 M blocks, against 28 B/block of columns).
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _halves(key: bytes) -> tuple[int, int]:

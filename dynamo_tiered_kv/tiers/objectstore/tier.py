@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -45,6 +46,7 @@ from ..base import ByteRange, ReadRequest, Tier, TierCapabilities, TierUsage, ch
 from ..segments import SealedSegment, SegmentEntry
 from .backend import FileSource, ObjectBackend
 from .catalog import Catalog, Parsed, parse_manifest
+from .index import release_free_heap
 from .layout import SNAPSHOT_NAME, NamespaceView, manifest_after, ns_prefix
 from .manifest import MANIFEST_DIR, Manifest, ManifestError, content_digest, data_name, tombstone_name
 from .quarantine import new_marker, record_fails, write_marker
@@ -301,6 +303,7 @@ class ObjectTier(Tier):
             legacy = [o.name for o in await self.root_backend.list(MANIFEST_DIR) if o.name.endswith(".json")]
             known = cat.names(root=True)
             await self._ingest(cat, [n for n in legacy if n not in known], root=True, private=True)
+        await asyncio.to_thread(cat.finish)
         async with self._lock:
             for m in self._fresh:
                 cat.add_fresh(m.name, m.data, m.created_at, ((e.key, e.offset, e.length) for e in m.entries))
@@ -308,6 +311,7 @@ class ObjectTier(Tier):
             cat.excl_key |= self._cat.excl_key
             self._cat, self._fresh = cat, []
             self._enforce_capacity_locked()
+        await asyncio.to_thread(release_free_heap)  # the build's garbage, before it counts as ours
         self._ready.set()
         self.available = True
         self.stats.index_build_s = time.monotonic() - t0
@@ -365,8 +369,8 @@ class ObjectTier(Tier):
         for i in range(0, len(names), INGEST_BATCH):
             got = [g for g in await asyncio.gather(*(fetch(n) for n in names[i:i + INGEST_BATCH]))
                    if g[1] is not None]
-            if private:  # nobody else sees this catalog yet: index off the event loop
-                await asyncio.to_thread(cat.add_parsed, got, cutoff=cutoff, root=root)
+            if private:  # nobody else sees this catalog yet: collect off the event loop, index once
+                await asyncio.to_thread(functools.partial(cat.add_parsed, got, cutoff=cutoff, root=root, defer=True))
             else:
                 async with self._lock:
                     cat.add_parsed(got, cutoff=cutoff, root=root)
