@@ -24,6 +24,7 @@ from .. import codec
 from ..keys import Namespace, chain_keys, parents_of
 from ..layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from ..staging import StagingPool
+from . import report
 
 
 @dataclass(frozen=True)
@@ -51,21 +52,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=7, help="passes over the working set; best is kept")
 
 
-def _best_gbps(fns: dict[str, Callable[[], int]], repeats: int) -> dict[str, float]:
+def _best_gbps(fns: dict[str, Callable[[], int]], repeats: int,
+               step: Callable[[str], None] = lambda _: None) -> dict[str, float]:
     """Best GB/s of each function; rounds interleave them so load changes hit all alike."""
     best = dict.fromkeys(fns, float("inf"))
     nbytes = dict.fromkeys(fns, 0)
     for fn in fns.values():
         fn()  # warm up: page faults, first touch
-    for _ in range(repeats):
+    step("warm-up")
+    for r in range(repeats):
         for name, fn in fns.items():
             t = time.perf_counter()
             nbytes[name] = fn()
             best[name] = min(best[name], time.perf_counter() - t)
+        step(f"pass {r + 1}/{repeats}")
     return {f"{name}_gbps": nbytes[name] / best[name] / 1e9 for name in fns}
 
 
-def bench_shape(shape: ModelShape, kind: EngineLayoutKind, working_set: int, batch: int, repeats: int) -> dict:
+def bench_shape(shape: ModelShape, kind: EngineLayoutKind, working_set: int, batch: int, repeats: int,
+                steps: report.Steps | None = None) -> dict:
     heads = 1 if kind is EngineLayoutKind.MLA else shape.kv_heads
     head = shape.kv_heads * shape.head_size if kind is EngineLayoutKind.MLA else shape.head_size
     per_block = 2 * shape.layers * shape.block_size * shape.kv_heads * shape.head_size * shape.dtype.itemsize
@@ -127,7 +132,8 @@ def bench_shape(shape: ModelShape, kind: EngineLayoutKind, working_set: int, bat
         return nblocks * payload
 
     res: dict = {"block_bytes": payload, "record_bytes": rb, "blocks": nblocks}
-    res.update(_best_gbps({"memcpy": memcpy, "encode": encode, "memcpy_in": memcpy_in, "decode": decode}, repeats))
+    fns = {"memcpy": memcpy, "encode": encode, "memcpy_in": memcpy_in, "decode": decode}
+    res.update(_best_gbps(fns, repeats, lambda what: steps and steps.step(f"{shape.name}: {what}")))
     res["encode_ratio"] = res["encode_gbps"] / res["memcpy_gbps"]
     res["decode_ratio"] = res["decode_gbps"] / res["memcpy_in_gbps"]
     pool.close()
@@ -138,7 +144,11 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     kind = EngineLayoutKind[args.layout.upper()]
     names = list(SHAPES) if args.shape == "all" else [args.shape]
-    per = {n: bench_shape(SHAPES[n], kind, args.working_set_mib << 20, args.batch, args.repeats) for n in names}
+    report.progress("codec", f"{', '.join(names)}: {args.working_set_mib} MiB working set, {args.repeats} passes "
+                    f"of memcpy / encode / memcpy_in / decode each")
+    steps = report.Steps("codec", len(names) * (args.repeats + 1))
+    per = {n: bench_shape(SHAPES[n], kind, args.working_set_mib << 20, args.batch, args.repeats, steps)
+           for n in names}
     first = per[names[0]]
     out = {
         "shape": names[0],
@@ -149,6 +159,22 @@ def run(args: argparse.Namespace) -> dict:
         "memcpy_in_gbps": first["memcpy_in_gbps"],
         "encode_ratio": first["encode_ratio"],
         "decode_ratio": first["decode_ratio"],
+        "repeats": args.repeats,
         "shapes": per,
     }
     return out
+
+
+def format_result(res: dict) -> str:
+    """One table per shape: each path against the memcpy of the same bytes in its direction."""
+    out = [f"codec: {res['layout']} layout, one core, best of {res['repeats']} passes (GB/s = 10^9 bytes/s)"]
+    for name, r in res["shapes"].items():
+        rows = [["encode (gather + checksum)", r["encode_gbps"], "memcpy engine -> slab", r["memcpy_gbps"],
+                 r["encode_ratio"]],
+                ["decode (verify + scatter)", r["decode_gbps"], "memcpy slab -> engine", r["memcpy_in_gbps"],
+                 r["decode_ratio"]]]
+        title = (f"\n{name}: {r['block_bytes'] / 2**10:.0f} KiB blocks, {r['record_bytes'] / 2**10:.0f} KiB records, "
+                 f"{r['blocks']} blocks")
+        out.append(report.table(["path", "GB/s", "ceiling", "GB/s", "ratio"], rows, title=title,
+                                fmts=["", ".2f", "", ".2f", ".2f"]))
+    return "\n".join(out)

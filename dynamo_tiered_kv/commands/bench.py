@@ -1,5 +1,7 @@
 """``dtkv bench <path>``: each benchmark is a module ``dynamo_tiered_kv/bench/<path>.py`` with
-``add_arguments(parser)`` and ``run(args) -> dict``; results print as a table or ``--json``."""
+``add_arguments(parser)`` and ``run(args) -> dict``. ``--json`` prints that dict and nothing else
+on stdout; otherwise the module's ``format_result(result)`` tables (``bench/report.py``) are
+printed. Progress goes to stderr (``--no-progress`` silences it)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,11 @@ import argparse
 import importlib
 import json
 import pkgutil
+from types import ModuleType
+from typing import Any
 
 from .. import bench
+from ..bench import report
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,28 +23,28 @@ def register(sub: argparse._SubParsersAction) -> None:
         if mod.name.startswith("_"):
             continue
         m = importlib.import_module(f"{bench.__name__}.{mod.name}")
+        if not hasattr(m, "run"):  # helpers (report.py)
+            continue
         bp = paths.add_parser(mod.name, help=(m.__doc__ or "").strip().splitlines()[0])
-        bp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+        bp.add_argument("--json", action="store_true", help="print one JSON object (only that) instead of tables")
         m.add_arguments(bp)
+        if not any(a.dest == "no_progress" for a in bp._actions):
+            bp.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
         bp.set_defaults(func=lambda a, m=m: _run(m, a))
 
 
-def _run(module, args: argparse.Namespace) -> int:
+def _run(module: ModuleType, args: argparse.Namespace) -> int:
+    report.set_progress(not args.no_progress)
     result = module.run(args)
     if args.json:
-        print(json.dumps(result, indent=2, sort_keys=True))
+        print(json.dumps(result, indent=2, sort_keys=True, default=str))
+    elif hasattr(module, "format_result"):
+        print(module.format_result(result))
     else:
         print(format_table(result))
     return 0
 
 
-def format_table(result: dict) -> str:
-    width = max((len(k) for k in result), default=0)
-    lines = []
-    for k, v in result.items():
-        if isinstance(v, float):
-            v = f"{v:.3f}"
-        elif isinstance(v, (dict, list)):
-            v = json.dumps(v)
-        lines.append(f"{k:<{width}}  {v}")
-    return "\n".join(lines)
+def format_table(result: dict[str, Any]) -> str:
+    """The fallback for a bench without ``format_result``: its scalar fields, one per line."""
+    return report.key_values(result)
