@@ -13,9 +13,8 @@
   record that fails a fresh re-read too gets a quarantine marker (``quarantine.py``) that
   ``dtkv gc`` resolves. ``write_many`` never rewrites other manifests either.
 * ``write_many`` packs a run into one data object + manifest; ``publish_segment`` uploads a
-  sealed SSD segment file as-is (the flusher's path). Both publish data first, manifest second,
-  clear the data's GC tombstone, and check the data still exists after the manifest is visible
-  (re-uploading it if GC deleted it meanwhile): a published manifest never points at nothing.
+  sealed SSD segment file as-is (the flusher's path). Both live in ``writes.py``: data first,
+  manifest second, and a published manifest never points at nothing.
 * When a key is in several manifests (two nodes flushed the same prefix), the newest wins.
 * Capacity: when live bytes exceed ``capacity_bytes`` the oldest objects are dropped (manifest
   deleted; the data becomes an orphan that ``gc`` removes after its grace period, so readers
@@ -33,27 +32,27 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from ...codec import verify_record
-from ...errors import NamespaceMismatch, RecordError, TierFull, TierUnavailable
+from ...errors import NamespaceMismatch, RecordError, TierUnavailable
 from ...keys import BlockKey
 from ..base import ByteRange, ReadRequest, Tier, TierCapabilities, TierUsage, check_range
-from ..segments import SealedSegment, SegmentEntry
-from .backend import FileSource, ObjectBackend
+from ..segments import SegmentEntry
+from .backend import ObjectBackend
 from .catalog import Catalog, Parsed, parse_manifest
 from .index import release_free_heap
 from .layout import SNAPSHOT_NAME, NamespaceView, manifest_after, ns_prefix
-from .manifest import MANIFEST_DIR, Manifest, ManifestError, content_digest, data_name, tombstone_name
+from .manifest import MANIFEST_DIR, Manifest, ManifestError
 from .quarantine import new_marker, record_fails, write_marker
 from .retry import with_timeout
 from .snapshot import SnapshotError
 from .snapshot import decode as decode_snapshot
 from .snapshot import encode as encode_snapshot
+from .writes import ObjectWrites
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +60,6 @@ DEFAULT_CAPACITY_BYTES = 1 << 50  # the bucket is the bound; set a real budget i
 DEFAULT_TTL_S = 14 * 86400.0
 LIST_LAG_MS = 120_000  # incremental listings re-cover 2 min: clock skew, manifests still in flight
 INGEST_BATCH = 4096  # manifests fetched and indexed per step
-REDO_WINDOW_S = 6 * 3600.0  # a publish of data this recent reuses its mtime as created_at
 
 
 @dataclass
@@ -126,7 +124,7 @@ class _Want:
     whole: bool  # a whole record (verifiable)
 
 
-class ObjectTier(Tier):
+class ObjectTier(ObjectWrites, Tier):
     """The object tier over an ``ObjectBackend`` (S3 or a local directory).
 
     Args:
@@ -485,95 +483,6 @@ class ObjectTier(Tier):
         self.stats.quarantined += 1
         log.warning("quarantined record %s at %s@%d (%s); dtkv gc resolves it", key.hex(), data, offset, reason)
 
-    # --- writes ---------------------------------------------------------------------------------
-    async def write(self, key: BlockKey, data: memoryview) -> None:
-        await self.write_many([(key, data)])
-
-    async def write_many(self, items: Iterable[tuple[BlockKey, memoryview]]) -> None:
-        """Pack the run into one data object (later duplicates of a key win) and publish it."""
-        last: dict[BlockKey, memoryview] = {}
-        for k, v in items:
-            last.pop(k, None)
-            last[k] = memoryview(v).cast("B")
-        if not last:
-            return
-        total = sum(v.nbytes for v in last.values())
-        if total > self.capacity_bytes:
-            raise TierFull(f"{total} bytes exceed the object tier capacity {self.capacity_bytes}")
-        buf = bytearray(total)
-        entries: list[SegmentEntry] = []
-        pos = 0
-        for k, v in last.items():
-            if v.nbytes == 0:
-                raise ValueError("cannot store an empty record")
-            buf[pos:pos + v.nbytes] = v
-            entries.append(SegmentEntry(k, pos, v.nbytes))
-            pos += v.nbytes
-        digest = content_digest(total, entries, lambda o, n: bytes(buf[o:o + n]))
-        m = await self._publish(digest, memoryview(buf), total, tuple(entries), self.origin)
-        # Other manifests listing these keys are left alone (they may be other nodes' only
-        # copy of the rest of their records); the newest manifest wins in every index.
-        await self._add_fresh(m)
-
-    async def publish_segment(self, seg: SealedSegment) -> Manifest:
-        """Upload a sealed segment file as one data object plus its manifest (idempotent).
-
-        Raises:
-            TierUnavailable: the store failed; nothing half-written is visible.
-            OSError: the segment file could not be read.
-        """
-        digest = await asyncio.to_thread(_file_digest, seg.path, seg.size, seg.entries)
-        m = await self._publish(digest, FileSource(Path(seg.path), seg.size), seg.size, seg.entries,
-                                f"{self.origin}/{seg.segment_id}")
-        await self._add_fresh(m)
-        return m
-
-    async def _add_fresh(self, m: Manifest) -> None:
-        """Index what this node just published; it lifts this node's exclusions of those keys."""
-        async with self._lock:
-            if not self._ready.is_set():
-                self._fresh.append(m)  # replayed into the index being built when it is swapped in
-            self._cat.add_fresh(m.name, m.data, m.created_at, ((e.key, e.offset, e.length) for e in m.entries))
-            self._enforce_capacity_locked()
-        self._since_snapshot += 1
-        if self.snapshot_every and self._since_snapshot >= self.snapshot_every and self._ready.is_set():
-            self._since_snapshot = 0
-            self._spawn(self.write_snapshot())
-
-    async def _publish(self, digest: str, src: memoryview | FileSource, size: int,
-                       entries: tuple[SegmentEntry, ...], origin: str) -> Manifest:
-        if not self._backend_open.is_set():
-            try:
-                await asyncio.wait_for(self._backend_open.wait(), self.read_timeout_s)
-            except (asyncio.TimeoutError, TimeoutError):
-                raise TierUnavailable(f"object store {self.backend.url} is not open yet") from None
-        dname = data_name(digest)
-        if await self.backend.put_object(dname, src, if_absent=True):
-            self.stats.objects_published += 1
-        else:
-            self.stats.objects_deduplicated += 1
-            # It may be an orphan that gc tombstoned: clear the tombstone before our manifest
-            # exists, so a gc that checks it before deleting spares the object.
-            await self.backend.delete(tombstone_name(dname))
-        # created_at = the data object's server mtime (its first publish) when recent: a redo after
-        # a crash, or another node flushing the same records, then writes the very same manifest
-        # name (time-ordered names would otherwise duplicate); an old tombstoned orphan restarts
-        # its retention instead.
-        info = await self.backend.head(dname)
-        now = time.time()
-        created = info.mtime if info is not None and 0 <= now - info.mtime < REDO_WINDOW_S else now
-        m = Manifest(dname, size, created, entries, origin)
-        await self.backend.put_object(m.name, m.to_bytes(), if_absent=True)  # only after the data
-        # A gc that listed manifests before ours existed may have deleted the data meanwhile:
-        # check now that the manifest is visible (later gc runs see it) and upload again if so.
-        for _ in range(3):
-            if await self.backend.head(dname) is not None:
-                return m
-            log.warning("data object %s vanished while publishing (gc race); uploading it again", dname)
-            self.stats.reuploaded_objects += 1
-            await self.backend.put_object(dname, src, if_absent=True)
-        raise TierUnavailable(f"data object {dname} keeps vanishing after upload")
-
     async def delete(self, key: BlockKey) -> bool:
         """Stop serving ``key`` on this node; shared objects are never changed.
 
@@ -618,17 +527,6 @@ class ObjectTier(Tier):
         task = asyncio.get_running_loop().create_task(guarded())
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
-
-
-def _file_digest(path: os.PathLike[str], size: int, entries: Sequence[SegmentEntry]) -> str:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        actual = os.fstat(fd).st_size
-        if actual < size:
-            raise OSError(f"{path} holds {actual} bytes, segment says {size}")
-        return content_digest(size, entries, lambda o, n: os.pread(fd, n, o))
-    finally:
-        os.close(fd)
 
 
 async def _cancel_and_wait(tasks: list[asyncio.Future[None]]) -> None:
