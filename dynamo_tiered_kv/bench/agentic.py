@@ -35,6 +35,7 @@ from typing import Any
 
 from . import _agentic_report as report
 from ._agentic_run import BENCH_SPEC, BLOCK_SIZE, kv_bytes_per_token, model_desc, run_session, s3_extra
+from .report import key_values
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -127,11 +128,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "gpu_blocks": gpu_blocks, "block_size": BLOCK_SIZE, "max_model_len": max_len,
               "object_tier": obj_desc, "cpu_count": os.cpu_count(), "sessions": sessions}
     result["summary"] = report.summarize(result)
+    result["output"] = str(work / "agentic.json")
     (work / "agentic.json").write_text(json.dumps(result, indent=1))
     (work / "agentic.md").write_text(report.markdown(result) + "\n")
     if not args.no_plots:
         result["plots"] = [str(p) for p in report.plot(result, work)]
-    if args.json:
-        return result
-    print(report.format_tables(result))
-    return report.headline(result)  # the generic printer shows these key numbers after the tables
+    return result
+
+
+def format_result(result: dict[str, Any]) -> str:
+    """The tables, then the few headline numbers, one per line."""
+    head = report.headline(result)
+    return (f"{report.format_tables(result)}\n\n{key_values(head)}\n"
+            f"full results: {result['output']} (and agentic.md beside it)")

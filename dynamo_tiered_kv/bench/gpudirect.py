@@ -35,6 +35,7 @@ from ..staging import StagingPool
 from ..tiers.base import ReadRequest
 from ..tiers.ssd import SSDTier
 from ..tiers.ssd.io import gds_verdict
+from . import report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,6 +88,10 @@ async def _run(args: argparse.Namespace) -> dict:
         synchronize(dev)
         times.setdefault(name, []).append(time.perf_counter() - t0)
 
+    io = ("GDS_MT" if dev.type == "cuda" else "POSIX stand-in") if direct else f"none (no GDS: {verdict.reason})"
+    report.progress("gpudirect", f"{args.device}: {args.blocks} blocks ({total / 2**20:.0f} MiB) per pass, "
+                    f"{args.repeats} rounds; I/O {io}")
+    steps = report.Steps("gpudirect", args.repeats)
     try:
         k = keys_for(0)
         par = parents_of(k)
@@ -124,6 +129,7 @@ async def _run(args: argparse.Namespace) -> dict:
                 timed(name, fn)
             if dio is not None:
                 await _io_round(root / f"r{rnd}", eng, ns, batches, rb, hs, ds, dio, times, rnd, dev, keys_for)
+            steps.step("round")
     finally:
         host_pool.release(hs)
         dev_pool.release(ds)
@@ -143,6 +149,21 @@ async def _run(args: argparse.Namespace) -> dict:
                 "io_backend": "GDS_MT" if dev.type == "cuda" and direct else ("POSIX stand-in" if direct else "none"),
                 "bytes": total, "record_bytes": rb, "batch_blocks": batch, "repeats": args.repeats})
     return out
+
+
+def format_result(res: dict) -> str:
+    rows = []
+    for what, dev_name, host_name in (("encode (build records)", "device_encode", "host_encode"),
+                                      ("decode (verify + scatter)", "device_decode", "host_decode"),
+                                      ("offload to SSD", "direct_offload", "host_offload"),
+                                      ("onboard from SSD", "direct_onboard", "host_onboard")):
+        if f"{dev_name}_gbps" in res:
+            rows.append([what, res[f"{dev_name}_gbps"], res[f"{host_name}_gbps"], res.get(f"{dev_name}_vs_host")])
+    title = (f"gpudirect: {res['device']}, I/O {res['io_backend']} (GDS {'usable' if res['gds'] else 'unusable'}: "
+             f"{res['gds_reason']}), {res['bytes'] / 2**20:.0f} MiB per pass, {res['batch_blocks']} blocks per "
+             f"request; median of {res['repeats']} rounds (GB/s = 10^9 bytes/s)")
+    return report.table(["path", "device/direct GB/s", "host bounce GB/s", "ratio"], rows, title=title,
+                        fmts=["", "", "", ".2f"])  # 3 significant digits: the CPU stand-in is slow
 
 
 async def _io_round(path: Path, eng: EngineLayout, ns: Namespace, batches: list[list[int]], rb: int, hs, ds, dio,

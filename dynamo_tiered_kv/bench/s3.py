@@ -45,6 +45,7 @@ from ..testing.records import random_key
 from ..tiers.base import ReadRequest
 from ..tiers.objectstore import ObjectTier, S3Backend
 from ..tiers.segments import SealedSegment, SegmentEntry
+from . import report
 
 NAMESPACE = bytes(range(KEY_BYTES))
 
@@ -160,6 +161,9 @@ async def _run(args: argparse.Namespace, endpoint: str, work: Path) -> dict[str,
     pool = StagingPool(per * rb, 1)
     res: dict[str, list[float]] = {"put": [], "raw_put": [], "get": [], "raw_get": []}
     gets = restored = 0
+    report.progress("s3", f"{endpoint}: {seg.size / 2**20:.0f} MiB segment, {len(prefixes)} prefixes of {per} "
+                    f"records; 1 warm-up + {args.repeats} rounds of put and ranged get, tier and raw")
+    steps = report.Steps("s3", args.repeats + 1)
     try:
         for rnd in range(args.repeats + 1):  # round 0 warms connections and server pools: not reported
             tier = ObjectTier(writer)
@@ -207,6 +211,8 @@ async def _run(args: argparse.Namespace, endpoint: str, work: Path) -> dict[str,
                 res["raw_put"].append(len(data) / times["raw_put"] / 1e9)
                 res["get"].append(nbytes / t_get / 1e9)
                 res["raw_get"].append(nbytes / t_raw / 1e9)
+            steps.step("warm-up" if rnd == 0 else f"round {rnd}: put {res['put'][-1]:.3f} GB/s, "
+                       f"get {res['get'][-1]:.3f} GB/s")
     finally:
         pool.close()
         for o in await setup.list(""):
@@ -234,6 +240,16 @@ async def _run(args: argparse.Namespace, endpoint: str, work: Path) -> dict[str,
         "gets_per_prefix": gets / max(1, restored),
         "rounds_gbps": {k: [round(x, 4) for x in v] for k, v in res.items()},
     }
+
+
+def format_result(res: dict[str, Any]) -> str:
+    rows = [["put (publish_segment)", res["put_gbps"], "multipart upload", res["raw_put_gbps"], res["put_ratio"]],
+            ["get (read_many of a prefix)", res["get_gbps"], "one ranged GET", res["raw_get_gbps"], res["get_ratio"]]]
+    title = (f"s3: {res['endpoint']} ({res['server']}), {res['segment_bytes'] / 2**20:.0f} MiB segment, "
+             f"{res['prefixes']} prefixes x {res['records_per_prefix']} records, {res['gets_per_prefix']:.1f} GETs "
+             f"per prefix; medians of {res['repeats']} rounds (ratio: median of per-round ratios)")
+    return report.table(["path", "GB/s", "raw", "GB/s", "ratio"], rows, title=title,
+                        fmts=["", ".3f", "", ".3f", ".2f"])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from ..testing.records import random_key
 from ..tiers.base import ReadRequest
 from ..tiers.ssd import SSDTier
 from ..tiers.ssd.io import aligned_buffer
+from . import report
 
 NAMESPACE = bytes(range(KEY_BYTES))
 
@@ -83,6 +84,9 @@ async def _run(args: argparse.Namespace) -> dict:
     fsync = not args.no_fsync
     times: dict[str, list[float]] = {k: [] for k in ("raw_write", "write", "raw_read", "read")}
     io_path = ""
+    report.progress("ssd", f"{total / 2**20:.0f} MiB per pass in {len(batches)} requests of {args.batch} records, "
+                    f"{args.repeats} rounds of tier and raw write + read in {args.dir}")
+    steps = report.Steps("ssd", args.repeats)
     try:
         for rnd in range(args.repeats):
             raw = work / "raw.bin"
@@ -122,6 +126,8 @@ async def _run(args: argparse.Namespace) -> dict:
                 await tier.close()
                 shutil.rmtree(tier_dir, ignore_errors=True)
             raw.unlink()
+            steps.step(f"round: write {total / times['write'][-1] / 1e9:.2f} GB/s, "
+                       f"read {total / times['read'][-1] / 1e9:.2f} GB/s")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     gbps = {k: total / float(np.median(v)) / 1e9 for k, v in times.items()}
@@ -134,6 +140,16 @@ async def _run(args: argparse.Namespace) -> dict:
         "segment_bytes": args.segment_mib << 20, "dir": str(args.dir),
         "rounds_gbps": {k: [round(total / t / 1e9, 3) for t in v] for k, v in times.items()},
     }
+
+
+def format_result(res: dict) -> str:
+    rows = [["write (write_many + seal)", res["write_gbps"], res["raw_write_gbps"], res["write_ratio"]],
+            ["read (read_many)", res["read_gbps"], res["raw_read_gbps"], res["read_ratio"]]]
+    title = (f"ssd: {res['dir']}, I/O path {res['io_path']}, {res['bytes'] / 2**20:.0f} MiB per pass, "
+             f"{res['record_bytes'] / 2**10:.0f} KiB records x {res['batch_records']} per request, "
+             f"fsync {'on' if res['fsync'] else 'off'}; median of {res['repeats']} rounds (GB/s = 10^9 bytes/s)")
+    return report.table(["path", "tier GB/s", "raw O_DIRECT GB/s", "ratio"], rows, title=title,
+                        fmts=["", ".2f", ".2f", ".2f"])
 
 
 def _raw_write(path: Path, src: np.ndarray, batches: list[range], rb: int, fsync: bool) -> float:

@@ -22,6 +22,7 @@ from ..layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from ..staging import StagingPool
 from ..store import TieredStore
 from ..tiers.host import HostTier
+from . import report
 from .codec import SHAPES
 
 
@@ -52,6 +53,9 @@ def run(args: argparse.Namespace) -> dict:
     ceiling_mid[::4096] = 1
     ceiling_dst[::4096] = 1
     best = {"offload": float("inf"), "offload_call": float("inf"), "load": float("inf"), "memcpy2": float("inf")}
+    report.progress("store", f"{shape.name}: {n} blocks ({n * payload / 2**20:.0f} MiB) per request, "
+                    f"1 warm-up + {args.repeats} rounds")
+    steps = report.Steps("store", args.repeats + 1)
     for r in range(args.repeats + 1):  # round 0 warms up (page faults, first touch)
         ns = Namespace(shape.name, str(shape.dtype), kind.name, shape.block_size, shape.layers, shape.kv_heads,
                        shape.head_size, tenant_salt=f"bench-{r}")
@@ -71,6 +75,8 @@ def run(args: argparse.Namespace) -> dict:
         np.copyto(ceiling_mid, ceiling_src)
         np.copyto(ceiling_dst, ceiling_mid)
         t5 = time.perf_counter()
+        steps.step("warm-up" if r == 0 else f"round {r}: offload {(t2 - t0) * 1000:.1f} ms, "
+                   f"load {(t3 - t2) * 1000:.1f} ms")
         if r:
             for name, dt in (("offload", t2 - t0), ("offload_call", t1 - t0), ("load", t3 - t2),
                              ("memcpy2", t5 - t4)):
@@ -85,3 +91,14 @@ def run(args: argparse.Namespace) -> dict:
     out["offload_vs_memcpy2"] = out["offload_gbps"] / out["memcpy2_gbps"]
     out["load_vs_memcpy2"] = out["load_gbps"] / out["memcpy2_gbps"]
     return out
+
+
+def format_result(res: dict) -> str:
+    rows = [["offload (until drained)", res["offload_ms"], res["offload_gbps"], res["offload_vs_memcpy2"]],
+            ["offload call (engine thread)", res["offload_call_ms"], res["offload_call_gbps"],
+             res["offload_call_gbps"] / res["memcpy2_gbps"]],
+            ["load (lookup + load)", res["load_ms"], res["load_gbps"], res["load_vs_memcpy2"]],
+            ["memcpy x2 (ceiling)", res["memcpy2_ms"], res["memcpy2_gbps"], 1.0]]
+    title = (f"store: {res['shape']} ({res['layout']}), {res['blocks']} blocks = {res['request_mib']:.0f} MiB "
+             f"per request, host tier; best round (GB/s = 10^9 bytes/s)")
+    return report.table(["path", "ms", "GB/s", "vs memcpy x2"], rows, title=title, fmts=["", ".1f", ".2f", ".2f"])

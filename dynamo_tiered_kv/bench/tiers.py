@@ -232,8 +232,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             res["engine_skipped"] = "vLLM is not installed"
         else:
             res["engine"] = engine_compare(args, work)
+    res["output"] = str(work / "tiers.json")
     (work / "tiers.json").write_text(__import__("json").dumps(res, indent=1, default=str))
-    if args.json:
-        return res
-    print(format_tables(res))
-    return {"json": str(work / "tiers.json")}
+    return res
+
+
+def format_result(res: dict[str, Any]) -> str:
+    return f"{format_tables(res)}\n\nfull results: {res['output']}"
