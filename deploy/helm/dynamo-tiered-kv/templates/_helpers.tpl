@@ -157,10 +157,37 @@ kv_load_failure_policy is set on the MultiConnector because vLLM's scheduler rea
 
 {{/* ---------------------------------------------------------------- worker pieces */}}
 
+{{/* Worker command: worker.command, or sglang.command for engine=sglang. */}}
+{{- define "dtkv.workerCommand" -}}
+{{- if eq .Values.engine "sglang" -}}{{- toYaml .Values.sglang.command -}}{{- else -}}{{- toYaml .Values.worker.command -}}{{- end -}}
+{{- end -}}
+
+{{/* SGLang's --hicache-storage-backend-extra-config: our backend (zero-copy page interface) plus connector.extraConfig. */}}
+{{- define "dtkv.sglangStorageConfig" -}}
+{{- $ours := dict "backend_name" "dynamo_tiered_kv" "module_path" "dynamo_tiered_kv.connectors.sglang" "class_name" "TieredHiCacheStorage" "interface_v1" 1 -}}
+{{- toJson (merge $ours (.Values.connector.extraConfig | default dict)) -}}
+{{- end -}}
+
+{{/* SGLang worker args (engine=sglang; aggregated only). */}}
+{{- define "dtkv.sglangWorkerArgs" -}}
+{{- $v := .Values -}}
+{{- $s := $v.sglang -}}
+{{- $args := list "--model-path" (required "model.name is required" $v.model.name) -}}
+{{- with $v.model.servedModelName -}}{{- $args = concat $args (list "--served-model-name" .) -}}{{- end -}}
+{{- $tp := include "dtkv.tpSize" . -}}
+{{- if ne $tp "1" -}}{{- $args = concat $args (list "--tp-size" $tp) -}}{{- end -}}
+{{- $args = concat $args (list "--enable-hierarchical-cache" "--hicache-ratio" (toString $s.hicacheRatio) "--hicache-mem-layout" $s.memLayout "--hicache-write-policy" $s.writePolicy "--hicache-storage-prefetch-policy" $s.prefetchPolicy "--hicache-storage-backend" "dynamic" "--hicache-storage-backend-extra-config" (include "dtkv.sglangStorageConfig" .)) -}}
+{{- $args = concat $args $v.model.extraArgs $s.extraArgs -}}
+{{- toYaml $args -}}
+{{- end -}}
+
 {{/* Worker args; call with (dict "root" $ "role" ""|"prefill"|"decode"). */}}
 {{- define "dtkv.workerArgs" -}}
 {{- $root := .root -}}
 {{- $v := $root.Values -}}
+{{- if eq $v.engine "sglang" -}}
+{{- include "dtkv.sglangWorkerArgs" $root -}}
+{{- else -}}
 {{- $args := list "--model" (required "model.name is required" $v.model.name) -}}
 {{- with $v.model.servedModelName -}}{{- $args = concat $args (list "--served-model-name" .) -}}{{- end -}}
 {{- $tp := include "dtkv.tpSize" $root -}}
@@ -170,6 +197,7 @@ kv_load_failure_policy is set on the MultiConnector because vLLM's scheduler rea
 {{- $args = concat $args $v.model.extraArgs -}}
 {{- with .role -}}{{- $args = concat $args (index $v.disaggregation . "extraArgs") -}}{{- end -}}
 {{- toYaml $args -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Frontend args: the KV router (mode and per-tier hit weights), then frontend.args. */}}
@@ -385,6 +413,9 @@ object_ttl_s default), not from the config file.
 {{- end -}}
 {{- if and (has $v.ssd.type (list "localPV" "volumeClaimTemplate")) (not $v.ssd.size) -}}
 {{- fail (printf "ssd.size is required for ssd.type=%s" $v.ssd.type) -}}
+{{- end -}}
+{{- if and (eq $v.engine "sglang") $v.disaggregation.enabled -}}
+{{- fail "engine=sglang does not support disaggregation.enabled (the chart wires SGLang workers aggregated only)" -}}
 {{- end -}}
 {{- if and $v.gc.enabled (not $v.tieredKV.object_url) -}}
 {{- fail "gc.enabled needs tieredKV.object_url (GC runs against the object tier)" -}}

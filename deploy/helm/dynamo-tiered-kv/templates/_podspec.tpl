@@ -35,7 +35,7 @@ spec:
       image: {{ include "dtkv.image" . }}
       imagePullPolicy: {{ .Values.image.pullPolicy }}
       command:
-        {{- toYaml .Values.worker.command | nindent 8 }}
+        {{- include "dtkv.workerCommand" . | nindent 8 }}
       args:
         {{- include "dtkv.workerArgs" (dict "root" . "role" "") | nindent 8 }}
       env:
