@@ -151,8 +151,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "object_tier": obj_desc, "load_async": args.load_async, "cpu_count": os.cpu_count(),
                            "sessions": sessions}
     res["rows"] = summarize(sessions)
+    res["result_file"] = str(work / "interference.json")
     (work / "interference.json").write_text(json.dumps(res, indent=1))
-    if args.json:
-        return res
-    print(format_table(res))
-    return {"json": str(work / "interference.json")}
+    return res
+
+
+def format_result(res: dict[str, Any]) -> str:
+    return f"{format_table(res)}\nfull result: {res['result_file']}"

@@ -171,8 +171,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "raw_depth": args.raw_depth, "load_async": args.load_async, "cpu_count": os.cpu_count(),
                            "sessions": sessions}
     res["summary"] = summarize(res)
+    res["result_file"] = str(work / "restore.json")
     (work / "restore.json").write_text(json.dumps(res, indent=1))
-    if args.json:
-        return res
-    print(format_tables(res))
-    return {"json": str(work / "restore.json")}
+    return res
+
+
+def format_result(res: dict[str, Any]) -> str:
+    return f"{format_tables(res)}\nfull result: {res['result_file']}"

@@ -18,7 +18,6 @@ import glob
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from ..factory import build_store
 from ..keys import Namespace, chain_keys, parents_of
 from ..layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from ..tiers.ssd.io import aligned_buffer
+from .report import progress, table
 
 SHAPES = {"qwen2-7b-ish": (8, 2, 128), "qwen2.5-0.5b": (24, 2, 64), "llama-3.1-8b": (32, 8, 128)}
 
@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _progress(msg: str) -> None:
-    print(f"[restore_store] {msg}", file=sys.stderr, flush=True)
+    progress("restore_store", msg)
 
 
 def _layout(shape: str, n: int) -> tuple[EngineLayout, Namespace, list[bytes]]:
@@ -255,13 +255,15 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="dtkv-restore-") as root:
         for tier in [t.strip() for t in args.tiers.split(",") if t.strip()]:
             rows.append(_bench_tier(tier, args, root))
-    if getattr(args, "json", False):
-        return {"shape": args.shape, "blocks": args.blocks, "tiers": {r["tier"]: r for r in rows}}
-    out: dict = {"shape": args.shape, "blocks": args.blocks}
-    for r in rows:  # one readable line per tier
-        reads = " ".join(f"{k} {v:.1f}" for k, v in r["read_ms"].items())
-        out[r["tier"]] = (f"{r['mib']:.0f} MiB  load {r['load_ms']:.1f} ms ({r['load_gbps']:.2f} GB/s)  raw "
-                          f"{r['raw_ms']:.1f} ms ({r['raw_gbps']:.2f} GB/s)  load/raw best {r['ratio_best']:.2f} "
-                          f"median {r['ratio_median']:.2f}  | read ms: {reads}  wait {r['wait_ms']:.1f}  "
-                          f"decode {r['decode_ms']:.1f}  chunks {r['chunks']}")
-    return out
+    return {"shape": args.shape, "blocks": args.blocks, "tiers": {r["tier"]: r for r in rows}}
+
+
+def format_result(res: dict) -> str:
+    """One row per tier: the store's restore against the raw read of the same bytes, and its stages."""
+    rows = [[r["tier"], r["mib"], r["load_ms"], r["load_gbps"], r["raw_ms"], r["raw_gbps"], r["ratio_best"],
+             r["ratio_median"], sum(r["read_ms"].values()), r["wait_ms"], r["decode_ms"], r["chunks"]]
+            for r in res["tiers"].values()]
+    return table(["tier", "MiB", "load ms", "GB/s", "raw ms", "raw GB/s", "load/raw best", "median", "read ms",
+                  "wait ms", "decode ms", "chunks"], rows,
+                 fmts=["", ".0f", ".1f", ".2f", ".1f", ".2f", ".2f", ".2f", ".1f", ".1f", ".1f", ""],
+                 title=f"restore of {res['blocks']} blocks ({res['shape']}) through the store vs the raw read")
