@@ -97,6 +97,11 @@ def test_interference_summary_and_table():
     text = interference.format_table({"model": "m", "streams": 4, "decode_tokens": 64, "restores": 2, "context": 8192,
                                       "stagger_s": 1.0, "rounds": 1, "object_tier": "local", "rows": rows})
     assert "MISS" in text and "3.33x" in text
+    assert rows[0]["resident_p99_ms"] is None and rows[0]["p99_over_resident"] is None  # not measured
+    # with the prefixes resident the long requests' tails alone make p99 35 ms: the restore adds 1.14x
+    ph["resident"] = {"itl_ms": [10.0] * 97 + [30.0, 35.0, 35.0], "restore_ttft_ms": [150.0, 150.0]}
+    (row,) = interference.summarize({"ssd": {"rounds": [ph]}})
+    assert row["resident_p99_ms"] == pytest.approx(35.0) and row["p99_over_resident"] == pytest.approx(40 / 35)
 
 
 def _args(module, argv: list[str]) -> argparse.Namespace:
@@ -142,4 +147,5 @@ def test_interference_quick_engine(tmp_path: Path):
     for r in res["rows"]:
         assert r["samples"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0 and r["base_p99_ms"] > 0
         assert r["restore_ttft_ms"] is not None
+        assert r["resident_p99_ms"] and r["resident_p99_ms"] > 0  # the prefix-cache phase ran
     assert "p99" in interference.format_table(res)

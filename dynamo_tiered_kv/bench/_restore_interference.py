@@ -8,8 +8,11 @@
   recomputed without one), the i-th ``start_s + i * stagger_s`` after every stream has its first
   token; ``streams`` decode requests of ``decode_prompt_tokens`` generating at least
   ``decode_tokens`` each and, in a restore phase, until every restore has its first token;
-* ``rounds``: each round runs ``baseline`` (the streams alone) and ``restore`` (the streams plus
-  the restores), order alternating, the engine's prefix cache emptied before each phase;
+* ``rounds``: each round runs ``baseline`` (the streams alone), ``restore`` (the streams plus the
+  restores) and, with ``resident``, the same long requests arriving while their prefixes are in
+  vLLM's own prefix cache (computed once just before, unmeasured): the engine work a restored
+  request costs beyond its restore (its computed tail attending over the whole context). Phase
+  order rotates; the engine's prefix cache is emptied before each phase;
 * ``persist``: at the end, seal the SSD segment and write it back to the object tier.
 
 The engine is driven like a server: ``LLMEngine.add_request`` at arrival times, ``step()`` in a
@@ -32,13 +35,20 @@ from ._restore_engine import finish
 MAX_DECODE_FACTOR = 8
 
 
-def run_phase(s: Session, spec: dict[str, Any], tag: str, restores: list[list[int]]) -> dict[str, Any]:
-    """Decode streams (plus ``restores`` arriving while they decode): token times and restore TTFTs."""
+def run_phase(s: Session, spec: dict[str, Any], tag: str, restores: list[list[int]],
+              resident: bool = False) -> dict[str, Any]:
+    """Decode streams (plus ``restores`` arriving while they decode): token times and restore TTFTs.
+    ``resident``: the long prompts are computed first, so their prefixes arrive in vLLM's prefix cache."""
     from ..connectors.vllm.tiny_model import synthetic_tokens
 
     if s.store is not None:
         s.store.drain(120)
     s.llm.reset_prefix_cache()
+    if resident:
+        s.llm.generate([{"prompt_token_ids": p} for p in restores], s.SamplingParams(max_tokens=1, temperature=0),
+                       use_tqdm=False)
+        if s.store is not None:
+            s.store.drain(120)
     eng = s.llm.llm_engine
     # streams decode until they have decode_tokens AND every restore has its first token, then are aborted
     dec = s.SamplingParams(max_tokens=spec["decode_tokens"] * MAX_DECODE_FACTOR, temperature=0, ignore_eos=True)
@@ -95,11 +105,13 @@ def main(spec_path: str, out_path: str) -> None:
         _progress(done)
     if s.store is not None:
         s.store.drain(120)
+    names = ["baseline", "restore", *(["resident"] if spec.get("resident") else [])]
     for r in range(spec["rounds"]):
-        phases = ["baseline", "restore"] if r % 2 == 0 else ["restore", "baseline"]
+        phases = names[r % len(names):] + names[:r % len(names)]
         rnd = {}
         for ph in phases:
-            rnd[ph] = run_phase(s, spec, f"r{r}-{ph}", spec["restores"] if ph == "restore" else [])
+            rnd[ph] = run_phase(s, spec, f"r{r}-{ph}", spec["restores"] if ph != "baseline" else [],
+                                resident=ph == "resident")
             done += 1
             _progress(done)
         res["rounds"].append(rnd)
