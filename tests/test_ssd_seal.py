@@ -37,10 +37,10 @@ async def opened(path: Path, **kw) -> SSDTier:
 
 def fail_seals(t: SSDTier, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Footer writes fail with ENOSPC (record appends still work)."""
-    from dynamo_tiered_kv.tiers.ssd import tier as tier_mod
+    from dynamo_tiered_kv.tiers.ssd import sealing as seal_mod  # footers are written there
 
     calls: list[int] = []
-    real = tier_mod.write_extent
+    real = seal_mod.write_extent
 
     def footer_enospc(io, fd, offset, arrays, bounce):
         last = np.asarray(arrays[-1]).view(np.uint8).reshape(-1)
@@ -49,7 +49,7 @@ def fail_seals(t: SSDTier, monkeypatch: pytest.MonkeyPatch) -> list[int]:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(io, fd, offset, arrays, bounce)
 
-    monkeypatch.setattr(tier_mod, "write_extent", footer_enospc)
+    monkeypatch.setattr(seal_mod, "write_extent", footer_enospc)
     return calls
 
 

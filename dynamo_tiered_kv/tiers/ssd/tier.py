@@ -33,7 +33,7 @@ from ...codec import ALIGN
 from ...errors import PartialWrite, TierFull, TierUnavailable
 from ...keys import KEY_BYTES, BlockKey
 from ..base import Tier, TierCapabilities, TierUsage
-from ..segments import SealedSegment, SegmentEntry
+from ..segments import SealedSegment
 from . import metrics
 from .eviction import EvictionMixin
 from .flushing import SegmentSourceMixin, SegmentState
@@ -43,10 +43,10 @@ from .io import GdsVerdict, PosixIO, aligned_buffer, as_u8, gds_verdict, select_
 from .quarantine import highest_quarantined_seq, open_regular, quarantine
 from .reads import BOUNCE_BYTES, ReadPathMixin
 from .recovery import fsync_dir, load_tombstones, recover_segments
+from .sealing import SealingMixin
 from .segment import (
     LOCK_FILE,
     TOMBSTONE_FILE,
-    build_footer,
     footer_bytes,
     list_segments,
     pack_tombstone,
@@ -59,7 +59,7 @@ DEFAULT_SEGMENT_BYTES = 256 << 20
 _DEGRADING_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM, errno.EFBIG}
 
 
-class SSDTier(SegmentSourceMixin, ReadPathMixin, EvictionMixin, Tier):
+class SSDTier(SegmentSourceMixin, ReadPathMixin, EvictionMixin, SealingMixin, Tier):
     """Segment-log SSD tier. Constructor keyword arguments are its config schema.
 
     Args:
@@ -521,71 +521,6 @@ class SSDTier(SegmentSourceMixin, ReadPathMixin, EvictionMixin, Tier):
     def _next_tick(self) -> int:
         self._tick += 1
         return self._tick
-
-    # --- sealing ----------------------------------------------------------------------------
-    async def seal(self) -> SealedSegment | None:
-        """Seal the open segment now (None when it holds nothing)."""
-        return await asyncio.get_running_loop().run_in_executor(self._writer, self._seal_sync)
-
-    async def seal_if_idle(self, max_age_s: float) -> SealedSegment | None:
-        """Seal the open segment if nothing was appended for ``max_age_s`` seconds."""
-        return await asyncio.get_running_loop().run_in_executor(self._writer, self._seal_if_idle_sync, max_age_s)
-
-    def _seal_if_idle_sync(self, max_age_s: float) -> SealedSegment | None:
-        """Seal when idle; a seal that failed earlier is retried at once, or once the read-only
-        period after a device error (``write_retry_s``) is over."""
-        if self._open is None or self.disabled_reason:
-            return None
-        if self.readonly_reason:
-            if not self._seal_pending or time.monotonic() - self._readonly_at < self._write_retry_s:
-                return None
-        elif not self._seal_pending and time.monotonic() - self._last_write < max_age_s:
-            return None
-        return self._seal_sync()
-
-    def _idle_loop(self) -> None:
-        assert self._idle_seal_s
-        while not self._stop.wait(max(0.05, self._idle_seal_s / 2)):
-            try:
-                self._writer.submit(self._seal_if_idle_sync, self._idle_seal_s).result()
-            except RuntimeError:  # executor shut down
-                return
-            except Exception as e:  # sealing failures already degraded the tier; keep the loop alive
-                log.debug("idle seal failed: %s", e)
-
-    def _seal_sync(self) -> SealedSegment | None:
-        seg = self._open
-        if seg is None or not seg.entries:
-            return None
-        now = time.time_ns()
-        try:
-            self._write_footer(seg, now)
-        except OSError as e:  # the segment stays open with its records; the seal is retried later
-            self._seal_pending = True
-            self._write_failed(seg, seg.data_bytes, e)
-        self._seal_pending = False
-        entries = tuple(SegmentEntry(k, o, n) for k, o, n in seg.entries)
-        with self._lock:
-            seg.sealed = True
-            seg.sealed_at = now / 1e9
-            seg.entries = []
-            self._open = None
-        metrics.SEALED_SEGMENTS.inc()
-        sealed = SealedSegment(self._segment_id(seg.seq), seg.path, seg.size, entries, seg.sealed_at)
-        if self.on_sealed is not None:
-            try:
-                self.on_sealed(sealed)
-            except Exception:
-                log.exception("on_sealed callback failed for %s", sealed.segment_id)
-        return sealed
-
-    def _write_footer(self, seg: SegmentState, now_ns: int) -> None:
-        assert self._io is not None
-        fb = footer_bytes(len(seg.entries))
-        buf = self._bounce() if fb <= BOUNCE_BYTES else aligned_buffer(fb)
-        footer = build_footer(self.rank, seg.seq, seg.data_bytes, now_ns, seg.entries, out=buf)
-        write_extent(self._io, seg.fd, seg.data_bytes, [footer], buf)
-        self._io.sync(seg.fd)  # a seal is always durable: the flusher uploads what it sees
 
     # --- deletes ----------------------------------------------------------------------------
     async def delete(self, key: BlockKey) -> bool:
