@@ -173,6 +173,14 @@ class EngineLayout:
     ) -> None:
         if not layers:
             raise LayoutMismatch("no KV tensors given")
+        if kind.name.startswith("SGL_"):  # one SGLang host buffer for all layers; a block is a host page
+            views, heads, hs = _sglang_views(kind, layers[0], block_size)
+            if CANONICAL_OF[kind] is CanonicalFormat.KV_SPLIT and (heads, hs) != (num_kv_heads, head_size):
+                raise LayoutMismatch(f"{kind.name} buffer has {heads} heads of {hs}, expected {num_kv_heads} of "
+                                     f"{head_size}")
+            self._adopt(kind, layers[:1], views, BlockShape(CANONICAL_OF[kind], DType.from_torch(layers[0].dtype),
+                                                            len(views), block_size, heads, hs))
+            return
         self.kind = kind
         self.device = layers[0].device
         num_layers = layers[0].shape[1] if kind is EngineLayoutKind.KVBM_FC else len(layers)
@@ -290,62 +298,66 @@ class EngineLayout:
         if kind is None:
             raise LayoutMismatch(f"SGLang host layout {layout!r} ({'MLA' if mla else 'MHA'}) is not mapped; "
                                  f"use one of {sorted(k for k, v in SGLANG_HOST_LAYOUTS.items() if v[int(mla)])}")
-        if not kv_buffer.is_contiguous():
-            raise LayoutMismatch("SGLang host kv_buffer must be contiguous")
-        b, ps = _u8(kv_buffer), page_size
-        views: list[torch.Tensor]
-        if mla:  # [L, T, 1, dim] | [T, L, 1, dim] | [P, L, ps, 1, dim]
-            if kind is EngineLayoutKind.SGL_MLA_LAYER_FIRST:
-                L, T, dim = kv_buffer.shape[0], kv_buffer.shape[1], kv_buffer.shape[-1]
-                r = b.reshape(L, T // ps, 1, ps * b.shape[-1])
-                views = [r[j] for j in range(L)]
-            elif kind is EngineLayoutKind.SGL_MLA_PAGE_FIRST:
-                T, L, dim = kv_buffer.shape[0], kv_buffer.shape[1], kv_buffer.shape[-1]
-                r = b.reshape(T // ps, ps, L, b.shape[-1])
-                views = [r[:, :, j].unsqueeze(1) for j in range(L)]
-            else:
-                L, dim = kv_buffer.shape[1], kv_buffer.shape[-1]
-                r = b.reshape(kv_buffer.shape[0], L, 1, ps * b.shape[-1])
-                views = [r[:, j] for j in range(L)]
-            heads, head_size = 1, int(dim)
-        else:  # MHA; K is [0], V is [1]
-            if kind is EngineLayoutKind.SGL_LAYER_FIRST:
-                _, L, T, heads, head_size = kv_buffer.shape
-                r = b.reshape(2, L, T // ps, ps * heads * b.shape[-1])
-                views = [r[:, j].transpose(0, 1) for j in range(L)]
-            elif kind is EngineLayoutKind.SGL_PAGE_FIRST:
-                _, T, L, heads, head_size = kv_buffer.shape
-                r = b.reshape(2, T // ps, ps, L, heads * b.shape[-1])
-                views = [r[:, :, :, j].transpose(0, 1) for j in range(L)]
-            elif kind is EngineLayoutKind.SGL_PAGE_FIRST_DIRECT:
-                _, P, L, _, heads, head_size = kv_buffer.shape
-                r = b.reshape(2, P, L, ps * heads * b.shape[-1])
-                views = [r[:, :, j].transpose(0, 1) for j in range(L)]
-            else:  # page_head [2, P, H, ps, L, D] -> per layer [P][2][ps][H][D]
-                _, P, heads, _, L, head_size = kv_buffer.shape
-                views = [b[:, :, :, :, j].permute(1, 0, 3, 2, 4) for j in range(L)]
-        if (kv_buffer.shape[-1] != head_size) or any(v.shape[0] != views[0].shape[0] for v in views):
-            raise LayoutMismatch(f"SGLang {layout} buffer {tuple(kv_buffer.shape)} does not split into pages")
-        return cls._from_views(kind, [kv_buffer], views,
-                               BlockShape(CANONICAL_OF[kind], DType.from_torch(kv_buffer.dtype), len(views), ps,
-                                          int(heads), int(head_size)))
+        _, heads, head_size = _sglang_views(kind, kv_buffer, page_size)
+        return cls(kind, [kv_buffer], page_size, heads, head_size)
 
-    @classmethod
-    def _from_views(cls, kind: EngineLayoutKind, tensors: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
-                    shape: BlockShape) -> EngineLayout:
-        """A layout over ready-made per-layer byte views ``[block][plane][...]`` (canonical order)."""
+    def _adopt(self, kind: EngineLayoutKind, tensors: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
+               shape: BlockShape) -> None:
+        """Bind ready-made per-layer byte views ``[block][plane][...]`` (canonical order)."""
         per_layer = int(np.prod(views[0].shape[1:]))
         if per_layer != shape.layer_bytes:
             raise LayoutMismatch(f"{kind.name}: a layer view holds {per_layer} bytes, the canonical layer "
                                  f"{shape.layer_bytes}")
-        self = cls.__new__(cls)
         self.kind, self.shape, self.tensors = kind, shape, list(tensors)
         self.device = tensors[0].device
         self.is_cuda = self.device.type == "cuda"
         self.num_blocks = int(views[0].shape[0])
         self.layer_views = list(views) if self.is_cuda else [v.numpy() for v in views]
         self._fast = False
-        return self
+
+
+def _sglang_views(kind: EngineLayoutKind, kv_buffer: torch.Tensor, ps: int) -> tuple[list[torch.Tensor], int, int]:
+    """Per-layer byte views ``[page][plane][...]`` (canonical order) of a SGLang host ``kv_buffer``,
+    and its KV heads and head size (1 and the latent width for MLA)."""
+    if not kv_buffer.is_contiguous():
+        raise LayoutMismatch("SGLang host kv_buffer must be contiguous")
+    b = _u8(kv_buffer)
+    views: list[torch.Tensor]
+    try:
+        if kind is EngineLayoutKind.SGL_MLA_LAYER_FIRST:  # [L, T, 1, dim]
+            L, T = kv_buffer.shape[0], kv_buffer.shape[1]
+            r = b.reshape(L, T // ps, 1, ps * b.shape[-1])
+            views = [r[j] for j in range(L)]
+        elif kind is EngineLayoutKind.SGL_MLA_PAGE_FIRST:  # [T, L, 1, dim]
+            T, L = kv_buffer.shape[0], kv_buffer.shape[1]
+            r = b.reshape(T // ps, ps, L, b.shape[-1])
+            views = [r[:, :, j].unsqueeze(1) for j in range(L)]
+        elif kind is EngineLayoutKind.SGL_MLA_PAGE_FIRST_DIRECT:  # [P, L, ps, 1, dim]
+            L = kv_buffer.shape[1]
+            r = b.reshape(kv_buffer.shape[0], L, 1, ps * b.shape[-1])
+            views = [r[:, j] for j in range(L)]
+        elif kind is EngineLayoutKind.SGL_LAYER_FIRST:  # [2, L, T, H, D]; K is [0], V is [1]
+            _, L, T, heads, _ = kv_buffer.shape
+            r = b.reshape(2, L, T // ps, ps * heads * b.shape[-1])
+            views = [r[:, j].transpose(0, 1) for j in range(L)]
+        elif kind is EngineLayoutKind.SGL_PAGE_FIRST:  # [2, T, L, H, D]
+            _, T, L, heads, _ = kv_buffer.shape
+            r = b.reshape(2, T // ps, ps, L, heads * b.shape[-1])
+            views = [r[:, :, :, j].transpose(0, 1) for j in range(L)]
+        elif kind is EngineLayoutKind.SGL_PAGE_FIRST_DIRECT:  # [2, P, L, ps, H, D]
+            _, P, L, _, heads, _ = kv_buffer.shape
+            r = b.reshape(2, P, L, ps * heads * b.shape[-1])
+            views = [r[:, :, j].transpose(0, 1) for j in range(L)]
+        elif kind is EngineLayoutKind.SGL_PAGE_HEAD:  # [2, P, H, ps, L, D] -> per layer [P][2][ps][H][D]
+            heads, L = kv_buffer.shape[2], kv_buffer.shape[4]
+            views = [b[:, :, :, :, j].permute(1, 0, 3, 2, 4) for j in range(L)]
+        else:
+            raise LayoutMismatch(f"{kind.name} is not a SGLang host layout")
+    except (ValueError, RuntimeError) as e:  # wrong rank or a token count that is not whole pages
+        raise LayoutMismatch(f"{kind.name} buffer {tuple(kv_buffer.shape)} does not split into pages of {ps}: {e}") \
+            from None
+    mla = CANONICAL_OF[kind] is CanonicalFormat.MLA
+    return views, 1 if mla else int(heads), int(kv_buffer.shape[-1])
 
 
 def allocate_engine_kv(
@@ -370,4 +382,16 @@ def allocate_engine_kv(
         return [
             torch.zeros(num_blocks, num_layers, 2, block_size, num_kv_heads * head_size, dtype=dtype, device=device)
         ]
+    tokens = num_blocks * block_size
+    sglang = {  # one host buffer for all layers (SGLang HiCache); MLA: one latent of head_size per token
+        EngineLayoutKind.SGL_LAYER_FIRST: (2, num_layers, tokens, num_kv_heads, head_size),
+        EngineLayoutKind.SGL_PAGE_FIRST: (2, tokens, num_layers, num_kv_heads, head_size),
+        EngineLayoutKind.SGL_PAGE_FIRST_DIRECT: (2, num_blocks, num_layers, block_size, num_kv_heads, head_size),
+        EngineLayoutKind.SGL_PAGE_HEAD: (2, num_blocks, num_kv_heads, block_size, num_layers, head_size),
+        EngineLayoutKind.SGL_MLA_LAYER_FIRST: (num_layers, tokens, 1, head_size),
+        EngineLayoutKind.SGL_MLA_PAGE_FIRST: (tokens, num_layers, 1, head_size),
+        EngineLayoutKind.SGL_MLA_PAGE_FIRST_DIRECT: (num_blocks, num_layers, block_size, 1, head_size),
+    }
+    if kind in sglang:
+        return [torch.zeros(sglang[kind], dtype=dtype, device=device)]
     return [torch.zeros(shapes[kind], dtype=dtype, device=device) for _ in range(num_layers)]

@@ -33,6 +33,12 @@ def _record_views(
     return payload.unflatten(1, (num_layers, planes, layer_bytes // planes))
 
 
+def _flat_planes(layer_views: Sequence[torch.Tensor]) -> bool:
+    """The Triton kernel moves ``[block][plane][bytes]`` views with contiguous plane bytes only
+    (SGLang's page_first/page_head host views split a plane by token and take the torch path)."""
+    return all(v.dim() == 3 and v.stride(2) == 1 for v in layer_views)
+
+
 def gather_records(
     layer_views: Sequence[torch.Tensor],
     block_ids: torch.Tensor,
@@ -52,13 +58,13 @@ def gather_records(
     dev = layer_views[0].device
     if n == 0:
         return
-    if dev.type == "cuda" and out.device.type == "cuda" and triton_available():
+    if dev.type == "cuda" and out.device.type == "cuda" and triton_available() and _flat_planes(layer_views):
         _triton_move(layer_views, block_ids, out, record_bytes, header_bytes, layer_bytes, gather=True)
         return
     dst = _record_views(out, n, record_bytes, header_bytes, layer_bytes, nl, planes)
     ids = block_ids.to(dev)
-    for j, v in enumerate(layer_views):
-        dst[:, j].copy_(v.index_select(0, ids), non_blocking=True)
+    for j, v in enumerate(layer_views):  # views may split a plane further ([block][plane][token][...])
+        dst[:, j].copy_(v.index_select(0, ids).reshape(dst[:, j].shape), non_blocking=True)
 
 
 def scatter_records(
@@ -79,13 +85,13 @@ def scatter_records(
     dev = layer_views[0].device
     if n == 0:
         return
-    if dev.type == "cuda" and records.device.type == "cuda" and triton_available():
+    if dev.type == "cuda" and records.device.type == "cuda" and triton_available() and _flat_planes(layer_views):
         _triton_move(layer_views, block_ids, records, record_bytes, header_bytes, layer_bytes, gather=False)
         return
     src = _record_views(records, n, record_bytes, header_bytes, layer_bytes, nl, planes)
     ids = block_ids.to(dev)
     for j, v in enumerate(layer_views):
-        v.index_copy_(0, ids, src[:, j].to(dev, non_blocking=True))
+        v.index_copy_(0, ids, src[:, j].to(dev, non_blocking=True).reshape(n, *v.shape[1:]))
 
 
 if _HAVE_TRITON:
