@@ -39,10 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", default="page_first,page_first_direct",
                    help="SGLang host layouts (layer_first, page_first, page_first_direct, page_head)")
     p.add_argument("--pages", type=int, default=64, help="pages per round")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--layers", type=int, default=32, help="model layers (default: Llama-3.1-8B's 32)")
+    p.add_argument("--heads", type=int, default=8, help="KV heads per TP rank")
+    p.add_argument("--head-dim", type=int, default=128, help="head size")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per SGLang page (--page-size)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians reported")
     p.add_argument("--dir", type=Path, default=None, help="SSD directory (default: a temporary one)")
 
