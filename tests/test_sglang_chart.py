@@ -8,6 +8,7 @@ for the zero-copy interface, and, with the pod's env and ConfigMap, build a vali
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
