@@ -256,6 +256,38 @@ def test_prefix_keys_chain_the_parent(sgl: sh.Sglang, tmp_path: Path) -> None:
         backend.close()
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_mla_pages_written_once_read_by_every_rank(sgl: sh.Sglang, tmp_path: Path, layout: str) -> None:
+    """MLA KV is the same on every TP rank: SGLang's writer rank stores it, the others store
+    nothing and restore the writer's pages (one namespace, TP 0 of 1)."""
+    shared = {**SMALL, "host_capacity_bytes": 0, "object_url": f"file://{tmp_path / 'obj'}", "object_refresh_s": None}
+    hashes = sh.page_hashes(sgl, tokens(3), PAGE)
+
+    def rank(r: int) -> tuple[Any, Any]:
+        pool = sh.mla_host_pool(sgl, layout, layers=LAYERS, kv_lora_rank=32, rope_dim=8, page_size=PAGE, pages=16)
+        conf = sh.storage_config(sgl, sh.backend_extra(**shared), tp_rank=r, tp_size=2, is_mla=True)
+        return sh.attach(sgl, conf, pool), pool
+
+    other, other_pool = rank(1)
+    assert other.batch_set_v1(hashes, other_pool.alloc(3 * PAGE)) == [True] * 3  # SGLang's contract: not ours
+    other.store.persist(30)
+    assert other.batch_exists(hashes) == 0  # ... so nothing was written
+    writer, pool = rank(0)
+    src = pool.alloc(3 * PAGE)
+    fill(pool, 5)
+    want = pages_of(pool, src)
+    writer.batch_set_v1(hashes, src)
+    settle(writer)
+    writer.close()
+    reader, reader_pool = rank(1)
+    index_ready(reader)
+    dst = reader_pool.alloc(3 * PAGE)
+    assert reader.batch_get_v1(hashes, dst) == [True] * 3
+    assert all(torch.equal(a, b) for a, b in zip(want, pages_of(reader_pool, dst)))
+    reader.close()
+    other.close()
+
+
 def test_legacy_interface_answers_misses(sgl: sh.Sglang, tmp_path: Path) -> None:
     backend, pool = make(sgl, tmp_path, "host")
     try:

@@ -65,6 +65,8 @@ class Sglang:
     KVBuffers: Any
     KVBufferLayout: Any
     get_hash_str: Any
+    MLATokenToKVPoolHost: Any
+    MLABufferInfo: Any
 
 
 def load_sglang() -> Sglang:
@@ -72,14 +74,16 @@ def load_sglang() -> Sglang:
     import sglang
 
     _torchvision_placeholder()
-    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo, MLABufferInfo
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
     from sglang.srt.mem_cache.utils import get_hash_str
 
     return Sglang(sglang.__version__, HiCacheStorageConfig, HiCacheStorageExtraInfo, StorageBackendFactory,
-                  MHATokenToKVPoolHost, MHABufferInfo, KVBuffers, KVBufferLayout, get_hash_str)
+                  MHATokenToKVPoolHost, MHABufferInfo, KVBuffers, KVBufferLayout, get_hash_str,
+                  MLATokenToKVPoolHost, MLABufferInfo)
 
 
 def mha_host_pool(sgl: Sglang, layout: str, *, layers: int, heads: int, head_dim: int, page_size: int,
@@ -99,6 +103,20 @@ def mha_host_pool(sgl: Sglang, layout: str, *, layers: int, heads: int, head_dim
     return sgl.MHATokenToKVPoolHost(info, 1.0, 0, page_size, layout, pin_memory=False, device="cpu",
                                     device_capacity_tokens=dev_tokens, start_layer=0, end_layer=layers,
                                     host_token_capacity=pages * page_size)
+
+
+def mla_host_pool(sgl: Sglang, layout: str, *, layers: int, kv_lora_rank: int, rope_dim: int, page_size: int,
+                  pages: int, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """SGLang's ``MLATokenToKVPoolHost`` on CPU memory: one latent of ``kv_lora_rank + rope_dim`` per token."""
+    dim, dev_tokens = kv_lora_rank + rope_dim, page_size * 2
+    bufs = tuple(torch.zeros(dev_tokens, 1, dim, dtype=dtype) for _ in range(layers))
+    info = sgl.MLABufferInfo(buffers=bufs, data_ptrs=torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64),
+                             layer_indices=tuple(range(layers)), device_layer_num=layers, page_size=page_size,
+                             kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope_dim, kv_cache_dim=dim, dtype=dtype,
+                             device=torch.device("cpu"))
+    return sgl.MLATokenToKVPoolHost(info, 1.0, 0, page_size, layout, pin_memory=False, device="cpu",
+                                    device_capacity_tokens=dev_tokens, start_layer=0, end_layer=layers,
+                                    target_layer_num=layers, host_token_capacity=pages * page_size)
 
 
 def storage_config(sgl: Sglang, extra: dict[str, Any], *, model_name: str = "test-model", tp_rank: int = 0,
