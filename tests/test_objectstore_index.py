@@ -136,3 +136,22 @@ async def test_legacy_root_layout_is_still_read_and_gc_covers_both(tmp_path: Pat
     assert all(again.contains(k) for k, _ in legacy + mine) and again.stats.snapshot_loads == 1
     for t in (old, new, again):
         await t.close()
+
+
+async def test_a_delete_while_the_index_builds_survives_the_swap(tmp_path: Path) -> None:
+    r = ObjectTier(LocalDirBackend(tmp_path), namespace=NS_A)
+    gate = asyncio.Event()
+    real = r.backend.list
+
+    async def slow_list(*a: object, **kw: object) -> object:
+        await gate.wait()
+        return await real(*a, **kw)  # type: ignore[arg-type]
+
+    r.backend.list = slow_list  # type: ignore[method-assign]
+    await r.open()
+    (gone, _), (kept, _) = await _write(r, 2, b"d")  # written while the index builds ...
+    assert await r.delete(gone)  # ... and one deleted before it is swapped in
+    gate.set()
+    assert await r.wait_ready(10)
+    assert not r.contains(gone) and r.contains(kept)
+    await r.close()

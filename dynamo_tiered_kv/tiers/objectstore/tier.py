@@ -52,6 +52,7 @@ from .retry import with_timeout
 from .snapshot import SnapshotError
 from .snapshot import decode as decode_snapshot
 from .snapshot import encode as encode_snapshot
+from .snapshot import fetch as fetch_snapshot
 from .writes import ObjectWrites
 
 log = logging.getLogger(__name__)
@@ -287,15 +288,17 @@ class ObjectTier(ObjectWrites, Tier):
         t0 = time.monotonic()
         cat = Catalog(namespaced=self.namespace is not None)
         cutoff = self._cutoff()
-        snap = await self.backend.get_bytes(SNAPSHOT_NAME)
+        snap = await fetch_snapshot(self.backend, SNAPSHOT_NAME)
         if snap is not None:
             try:
-                cat.load_snapshot(await asyncio.to_thread(decode_snapshot, snap), cutoff)
+                # nobody sees this catalog yet: decode and load off the event loop
+                await asyncio.to_thread(lambda: cat.load_snapshot(decode_snapshot(snap), cutoff))
                 self.stats.snapshot_loads += 1
             except SnapshotError as e:  # never trusted: rebuilt from the manifests
                 self.stats.snapshot_rejected += 1
                 log.warning("ignoring index snapshot of %s: %s", self.backend.url, e)
                 cat = Catalog(namespaced=self.namespace is not None)
+            snap = None  # hundreds of MB at 10M blocks: not kept through the listing below
         await self._ingest_listing(cat, incremental=cat.objs.n > 0, private=True)
         if self.read_legacy:
             legacy = [o.name for o in await self.root_backend.list(MANIFEST_DIR) if o.name.endswith(".json")]
@@ -305,8 +308,13 @@ class ObjectTier(ObjectWrites, Tier):
         async with self._lock:
             for m in self._fresh:
                 cat.add_fresh(m.name, m.data, m.created_at, ((e.key, e.offset, e.length) for e in m.entries))
-            cat.excl_loc.update(self._cat.excl_loc)
-            cat.excl_key |= self._cat.excl_key
+            # then the exclusions as they stand now (a write after a delete already lifted its
+            # own): a key deleted after this node wrote it stays deleted
+            for key in self._cat.excl_key:
+                cat.exclude_key(key)
+            for key, locs in self._cat.excl_loc.items():
+                for data, offset in locs:
+                    cat.exclude(key, data, offset)
             self._cat, self._fresh = cat, []
             self._enforce_capacity_locked()
         await asyncio.to_thread(release_free_heap)  # the build's garbage, before it counts as ours
