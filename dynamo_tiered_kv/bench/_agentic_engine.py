@@ -84,6 +84,9 @@ class Session:
         logging.disable(logging.WARNING)
         from vllm import LLM, SamplingParams
 
+        from ..connectors.vllm.cpu_amx import request_amx_tiles
+
+        request_amx_tiles()  # every session alike, with or without a connector (see cpu_amx.py)
         kv = _kv_transfer(spec)
         args: dict[str, Any] = {"max_num_seqs": 4, "max_num_batched_tokens": spec["max_model_len"],
                                 **spec.get("engine_args", {})}  # engine_args: overrides (bench restore)

@@ -17,6 +17,7 @@ from ...keys import ROOT_KEY, Namespace, engine_block_key
 from ...layout import EngineLayout
 from ...residency import medium_of
 from ...store import TieredStore
+from .cpu_amx import request_amx_tiles
 from .metadata import LoadSpec, TieredKVMetadata
 from .onboard import Onboarder, Restored
 from .rendezvous import LookupServer, register_local, unregister_local
@@ -71,6 +72,8 @@ class WorkerRole:
         self._onboard = Onboarder(self._restore, config.load_timeout_s)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if any(_on_cpu(t) for t in kv_caches.values()):
+            request_amx_tiles()  # before the engine's first forward (see cpu_amx.py)
         layout = _detect_layout(kv_caches, self.block_size, self.num_kv_heads, self.head_size, self.is_mla)
         self.layout = layout
         self.namespace = Namespace(self.model_id, self.kv_dtype, layout.kind.name,
@@ -275,6 +278,13 @@ class WorkerRole:
         if self.store is not None:
             self.store.close()
             self.store = None
+
+
+def _on_cpu(cache: Any) -> bool:
+    """A layer's KV cache (a tensor, or a list/tuple of them) lives in host memory."""
+    first = cache[0] if isinstance(cache, (list, tuple)) and cache else cache
+    device = getattr(first, "device", None)
+    return device is not None and device.type == "cpu"
 
 
 def _detect_layout(kv_caches: dict[str, Any], block_size: int, num_kv_heads: int, head_size: int,
