@@ -203,6 +203,9 @@ async def test_refresh_sees_other_nodes_and_ttl(tmp_path: Path) -> None:
     b = ObjectTier(LocalDirBackend(tmp_path))
     await a.open()
     await b.open()
+    # both indexes built on the empty bucket first: otherwise b's first listing may already see
+    # a's write below (a slow first run did), and the test is about refresh
+    assert await a.wait_ready(10) and await b.wait_ready(10)
     k1, k2 = random_key(1, b"r"), random_key(2, b"r")
     r1, r2 = make_record(k1, 1), make_record(k2, 2)
     await a.write_many([(k1, memoryview(r1)), (k2, memoryview(r2))])

@@ -11,7 +11,7 @@ import numpy as np
 from dynamo_tiered_kv.testing.records import TEST_NAMESPACE, make_record, random_key
 from dynamo_tiered_kv.tiers.objectstore import LocalDirBackend, ObjectTier
 from dynamo_tiered_kv.tiers.objectstore.gc import gc_bucket
-from dynamo_tiered_kv.tiers.objectstore.index import CompactObjectIndex, split_keys
+from dynamo_tiered_kv.tiers.objectstore.index import MAX_CODES, CompactObjectIndex, Lengths, join_keys, split_keys
 from dynamo_tiered_kv.tiers.objectstore.layout import SNAPSHOT_NAME, ns_prefix
 from dynamo_tiered_kv.tiers.objectstore.snapshot import SnapshotError, decode
 
@@ -50,6 +50,52 @@ def test_compact_index_matches_a_dict() -> None:
     assert len(idx) == len(model) and all(idx.get(k) == v for k, v in model.items())
     assert sorted(idx.keys()) == sorted(model)
 
+
+
+def test_lengths_keep_u8_codes_until_the_table_is_full_then_widen() -> None:
+    one = Lengths.of(np.full(1000, 2 << 20, np.uint32))
+    assert one.codes.dtype == np.uint8 and one.nbytes == 1000 + 4 and one.at(7) == 2 << 20
+    one.put(np.array([3, 4]), np.array([5, 2 << 20], np.uint32))  # a second size: the table grows
+    assert one.table is not None and list(one.table) == [5, 2 << 20] and one.at(3) == 5 and one.at(4) == 2 << 20
+    assert int(one.decode()[999]) == 2 << 20
+    vals = np.arange(1, MAX_CODES + 10, dtype=np.uint32)  # more distinct sizes than codes
+    wide = one.append(vals)
+    assert wide.table is None and wide.codes.dtype == np.uint32
+    assert np.array_equal(wide.decode()[1000:], vals) and wide.at(3) == 5 and wide.at(0) == 2 << 20
+
+
+def test_compact_index_with_many_record_sizes_matches_a_dict() -> None:
+    """Through u8 codes, a growing table and the u32 fallback, every operation agrees with a dict."""
+    rng = np.random.default_rng(2)
+    idx, model = CompactObjectIndex(), {}
+    keys = [rng.bytes(16) for _ in range(4000)]
+    created = np.arange(10, dtype=np.float64)
+    k0, k1 = split_keys(b"".join(keys[:1500]))
+    obj = rng.integers(0, 10, 1500).astype(np.uint32)
+    idx.merge(k0, k1, obj, np.arange(1500, dtype=np.uint32), np.full(1500, 4096, np.uint32), created)
+    model.update({k: (int(obj[i]), i, 4096) for i, k in enumerate(keys[:1500])})
+    assert idx.nbytes() <= 25 * 1500 + 64  # one record size: 25 B per block
+    for round_, sizes in enumerate((3, 40, 400)):  # few sizes, more, more than the codes hold
+        lo = 1500 + round_ * 800
+        k0, k1 = split_keys(b"".join(keys[lo - 400:lo + 400]))  # half overwrite, half new
+        ln = rng.integers(1, sizes + 1, 800).astype(np.uint32) * 512
+        obj = np.full(800, 9 - round_, np.uint32)
+        created[9 - round_] = 100 + round_  # newest: wins every overwrite
+        idx.merge(k0, k1, obj, np.arange(800, dtype=np.uint32), ln, created)
+        model.update({k: (9 - round_, i, int(ln[i])) for i, k in enumerate(keys[lo - 400:lo + 400])})
+        for i, k in enumerate(keys[lo:lo + 300:3]):  # single puts, revives, removes
+            idx.put(k, 1, i, 777 + round_)
+            model[k] = (1, i, 777 + round_)
+        for k in keys[lo - 400:lo:11]:
+            assert idx.remove(k) == model.pop(k)
+        assert all(idx.get(k) == v for k, v in model.items())
+        idx.compact()
+        assert len(idx) == len(model) and all(idx.get(k) == v for k, v in model.items())
+    assert idx.len.table is None  # widened by the last round
+    c0, c1, cobj, coff, cln = idx.columns()
+    raw = join_keys(c0, c1)
+    got = {raw[16 * i:16 * i + 16]: (int(o), int(f), int(n)) for i, (o, f, n) in enumerate(zip(cobj, coff, cln))}
+    assert got == model
 
 async def test_open_returns_at_once_and_serves_misses_until_ready(tmp_path: Path) -> None:
     w = await _tier(tmp_path, NS_A)

@@ -1,12 +1,14 @@
-"""Compact object index: 16-byte key -> (object id, offset, length) in about 30 bytes per block.
+"""Compact object index: 16-byte key -> (object id, offset, length) in about 25 bytes per block.
 
 The SSD tier's ``CompactIndex`` (hash table over ``array`` columns, under 64 B/block) is sized for
 one node's disk; the object tier indexes a whole namespace of a shared bucket (hundreds of
 millions of blocks), so it keeps the same columns without any hash table:
 
 * ``base``: numpy columns sorted by key (big-endian u64 halves ``k0``, ``k1``), plus ``obj``
-  (u32 row of the ``ObjectTable``), ``off`` and ``len`` (u32 bytes): 28 B per block. Lookups
-  binary-search ``k0``. Removed rows keep their key with ``obj = DEAD`` until the next compaction.
+  (u32 row of the ``ObjectTable``), ``off`` (u32 bytes) and ``len`` (``Lengths``: a u8 code per
+  block into a table of the distinct record lengths, since a namespace has one or a few record
+  sizes; u32 once there are more than 255): 25 B per block. Lookups binary-search ``k0``.
+  Removed rows keep their key with ``obj = DEAD`` until the next compaction.
 * ``delta``: a small dict of recent single inserts (this node's publishes), folded into ``base``
   when it grows past ``DELTA_MAX``; bulk loads (snapshots, manifest listings) merge directly.
 * Keys are BLAKE2b digests, uniformly distributed, so ``k0`` ties are (nearly) nonexistent, but
@@ -29,7 +31,76 @@ DEAD = np.uint32(0xFFFFFFFF)
 DELTA_MAX = 65536
 U32_MAX = 0xFFFFFFFF
 CHUNK = 1 << 20  # rows per step of column-wide passes
+MAX_CODES = 255  # distinct record lengths kept as u8 codes
 Loc = tuple[int, int, int]  # (object id, offset, length)
+
+
+class Lengths:
+    """A u32 length per row, stored as u8 codes into ``table`` (sorted distinct lengths), or as
+    the u32 lengths themselves (``table`` None) once there are more than ``MAX_CODES``."""
+
+    __slots__ = ("codes", "table")
+
+    def __init__(self, codes: np.ndarray, table: np.ndarray | None) -> None:
+        self.codes, self.table = codes, table
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> Lengths:
+        values = np.asarray(values, np.uint32)
+        if not len(values):
+            return cls(np.empty(0, np.uint8), np.empty(0, np.uint32))
+        lo = values.min()
+        if lo == values.max():  # the usual case: one record size in the namespace
+            return cls(np.zeros(len(values), np.uint8), np.array([lo], np.uint32))
+        table, codes = np.unique(values, return_inverse=True)
+        if len(table) > MAX_CODES:
+            return cls(values, None)
+        return cls(codes.astype(np.uint8).reshape(-1), table.astype(np.uint32))
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + (0 if self.table is None else self.table.nbytes)
+
+    def at(self, i: int) -> int:
+        c = self.codes[i]
+        return int(c if self.table is None else self.table[c])
+
+    def decode(self, rows: slice | np.ndarray = slice(None)) -> np.ndarray:
+        c = self.codes[rows]
+        return c if self.table is None else self.table[c]
+
+    def take(self, rows: np.ndarray) -> Lengths:
+        return Lengths(self.codes[rows], self.table)
+
+    def _code(self, values: np.ndarray) -> np.ndarray:
+        """Codes of ``values``; grows the table (remapping existing codes), or widens the column."""
+        values = np.asarray(values, np.uint32)
+        if self.table is None:
+            return values
+        new = np.setdiff1d(values, self.table)
+        if len(new):
+            union = np.union1d(self.table, new).astype(np.uint32)
+            if len(union) > MAX_CODES:
+                self.codes, self.table = self.table[self.codes], None
+                return values
+            self.codes = np.searchsorted(union, self.table).astype(np.uint8)[self.codes]
+            self.table = union
+        return np.searchsorted(self.table, values).astype(np.uint8)
+
+    def put(self, rows: np.ndarray | int, values: np.ndarray | int) -> None:
+        codes = self._code(np.atleast_1d(np.asarray(values, np.uint32)))
+        self.codes[rows] = codes if np.ndim(rows) else codes[0]
+
+    def insert(self, at: np.ndarray, values: np.ndarray) -> Lengths:
+        codes = self._code(values)
+        return Lengths(np.insert(self.codes, at, codes), self.table)
+
+    def append(self, values: np.ndarray) -> Lengths:
+        codes = self._code(values)
+        return Lengths(np.concatenate([self.codes, codes]), self.table)
 
 
 def split_keys(keys: bytes | bytearray | memoryview) -> tuple[np.ndarray, np.ndarray]:
@@ -58,7 +129,7 @@ def release_free_heap() -> None:
 
     Building an index frees hundreds of MB of parsed manifests and sort temporaries in chunks
     under glibc's mmap threshold; without this they stay in the process RSS (over 100 B/block
-    at 2 M blocks, against 28 B/block of columns).
+    at 2 M blocks, against 25 B/block of columns).
     """
     trim = _malloc_trim()
     if trim is not None:
@@ -77,7 +148,7 @@ class CompactObjectIndex:
         self.k1 = np.empty(0, np.uint64)
         self.obj = np.empty(0, np.uint32)
         self.off = np.empty(0, np.uint32)
-        self.len = np.empty(0, np.uint32)
+        self.len = Lengths.of(np.empty(0, np.uint32))
         self.delta: dict[bytes, Loc] = {}
         self._live_base = 0
 
@@ -86,7 +157,7 @@ class CompactObjectIndex:
 
     def nbytes(self) -> int:
         """Bytes held by the columns and the delta (dict slots + tuples + key objects, estimated)."""
-        cols = sum(a.nbytes for a in (self.k0, self.k1, self.obj, self.off, self.len))
+        cols = sum(a.nbytes for a in (self.k0, self.k1, self.obj, self.off, self.len))  # Lengths too
         return cols + len(self.delta) * 200
 
     # --- point operations -----------------------------------------------------------------------
@@ -108,7 +179,7 @@ class CompactObjectIndex:
         i = self._row(key)
         if i < 0 or self.obj[i] == DEAD:
             return None
-        return int(self.obj[i]), int(self.off[i]), int(self.len[i])
+        return int(self.obj[i]), int(self.off[i]), self.len.at(i)
 
     def __contains__(self, key: bytes) -> bool:
         return self.get(key) is not None
@@ -118,7 +189,8 @@ class CompactObjectIndex:
         old = self.remove(key)
         i = self._row(key)
         if i >= 0:  # a dead row of this key: revive it in place
-            self.obj[i], self.off[i], self.len[i] = obj, off, length
+            self.obj[i], self.off[i] = obj, off
+            self.len.put(i, length)
             self._live_base += 1
         else:
             self.delta[key] = (obj, off, length)
@@ -133,7 +205,7 @@ class CompactObjectIndex:
         i = self._row(key)
         if i < 0 or self.obj[i] == DEAD:
             return None
-        loc = int(self.obj[i]), int(self.off[i]), int(self.len[i])
+        loc = int(self.obj[i]), int(self.off[i]), self.len.at(i)
         self.obj[i] = DEAD
         self._live_base -= 1
         return loc
@@ -158,13 +230,13 @@ class CompactObjectIndex:
     def columns(self) -> tuple[np.ndarray, ...]:
         """Live rows, key-sorted: (k0, k1, obj, off, len) (the delta folded in first)."""
         self.compact()
-        return self.k0, self.k1, self.obj, self.off, self.len
+        return self.k0, self.k1, self.obj, self.off, self.len.decode()
 
     def live_bytes_per_object(self, n_objects: int) -> np.ndarray:
         # in chunks: whole-column temporaries (intp ids, f64 weights) cost ~1 s of page faults at 10M
         acc = np.zeros(n_objects, np.float64)
         for i in range(0, len(self.obj), CHUNK):
-            obj, ln = self.obj[i:i + CHUNK], self.len[i:i + CHUNK]
+            obj, ln = self.obj[i:i + CHUNK], self.len.decode(slice(i, i + CHUNK))
             live = obj != DEAD
             acc += np.bincount(obj[live], weights=ln[live], minlength=n_objects)[:n_objects]
         out = acc.astype(np.int64)
@@ -185,14 +257,15 @@ class CompactObjectIndex:
         self._set_sorted(np.concatenate([self.k0[live], d0]), np.concatenate([self.k1[live], d1]),
                          np.concatenate([self.obj[live], locs[:, 0].astype(np.uint32)]),
                          np.concatenate([self.off[live], locs[:, 1].astype(np.uint32)]),
-                         np.concatenate([self.len[live], locs[:, 2].astype(np.uint32)]), presorted=not len(d0))
+                         self.len.take(live).append(locs[:, 2].astype(np.uint32)), presorted=not len(d0))
 
-    def _set_sorted(self, k0: np.ndarray, k1: np.ndarray, obj: np.ndarray, off: np.ndarray, ln: np.ndarray,
-                    presorted: bool = False) -> None:
+    def _set_sorted(self, k0: np.ndarray, k1: np.ndarray, obj: np.ndarray, off: np.ndarray,
+                    ln: np.ndarray | Lengths, presorted: bool = False) -> None:
+        lengths = ln if isinstance(ln, Lengths) else Lengths.of(ln)
         if not presorted:
             order = np.lexsort((k1, k0))
-            k0, k1, obj, off, ln = k0[order], k1[order], obj[order], off[order], ln[order]
-        self.k0, self.k1, self.obj, self.off, self.len = k0, k1, obj, off, ln
+            k0, k1, obj, off, lengths = k0[order], k1[order], obj[order], off[order], lengths.take(order)
+        self.k0, self.k1, self.obj, self.off, self.len = k0, k1, obj, off, lengths
         self._live_base = int(np.count_nonzero(obj != DEAD))
 
     def load_sorted(self, k0: np.ndarray, k1: np.ndarray, obj: np.ndarray, off: np.ndarray, ln: np.ndarray) -> None:
@@ -232,14 +305,15 @@ class CompactObjectIndex:
         cur = self.obj[mi]
         wins = (cur == DEAD) | (created[np.where(cur == DEAD, 0, cur)] <= created[obj[match]])
         rows = mi[wins]
-        self.obj[rows], self.off[rows], self.len[rows] = obj[match][wins], off[match][wins], ln[match][wins]
+        self.obj[rows], self.off[rows] = obj[match][wins], off[match][wins]
+        self.len.put(rows, ln[match][wins])
         new = ~match
         ins = pos[new]
         self.k0 = np.insert(self.k0, ins, k0[new])
         self.k1 = np.insert(self.k1, ins, k1[new])
         self.obj = np.insert(self.obj, ins, obj[new])
         self.off = np.insert(self.off, ins, off[new])
-        self.len = np.insert(self.len, ins, ln[new])
+        self.len = self.len.insert(ins, ln[new])
         self._live_base = int(np.count_nonzero(self.obj != DEAD))
 
 

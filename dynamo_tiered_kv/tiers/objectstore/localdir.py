@@ -83,7 +83,7 @@ def _put(root: Path, name: str, src: Source, if_absent: bool) -> bool:
     return True
 
 
-def _get_range(path: Path, offset: int, dests: Sequence[memoryview]) -> int | None:
+def _get_range(path: str, offset: int, dests: Sequence[memoryview]) -> int | None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -124,9 +124,10 @@ def _list(root: Path, prefix: str, start_after: str = "") -> list[ObjectInfo]:
                 names.append(name)
     names.sort()
     out: list[ObjectInfo] = []
+    top = str(root)
     for name in names:
         try:
-            st = (root / name).stat()
+            st = os.stat(os.path.join(top, name))
         except FileNotFoundError:
             continue
         out.append(ObjectInfo(name, st.st_size, st.st_mtime))
@@ -140,15 +141,15 @@ def _list_dirs(root: Path, prefix: str) -> list[str]:
         return []
 
 
-def _head(path: Path, name: str) -> ObjectInfo | None:
+def _head(path: str, name: str) -> ObjectInfo | None:
     try:
-        st = path.stat()
+        st = os.stat(path)
     except FileNotFoundError:
         return None
     return ObjectInfo(name, st.st_size, st.st_mtime)
 
 
-def _delete(path: Path) -> bool:
+def _delete(path: str) -> bool:
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -180,15 +181,18 @@ class LocalDirBackend(ObjectBackend):
     def __init__(self, root: str | os.PathLike[str]) -> None:
         super().__init__()
         self.root = Path(root)
+        self._top = str(self.root)
         self.url = f"file://{self.root.resolve()}"
 
     def __repr__(self) -> str:
         return f"LocalDirBackend({str(self.root)!r})"
 
-    def _path(self, name: str) -> Path:
+    def _path(self, name: str) -> str:
+        # a str, not a Path: pathlib interns every name part, and a listing of millions of
+        # manifests left the interpreter's intern table at MBs (about 2 B per indexed block)
         if not name or name.startswith("/") or ".." in name.split("/"):
             raise ValueError(f"invalid object name {name!r}")
-        return self.root / name
+        return os.path.join(self._top, name)
 
     async def _io(self, fn, *args):
         try:
@@ -205,7 +209,7 @@ class LocalDirBackend(ObjectBackend):
         wrote = await self._io(_put, self.root, name, source, if_absent)
         if wrote:
             self.stats.puts += 1
-            self.stats.bytes_written += path.stat().st_size if isinstance(source, FileSource) else \
+            self.stats.bytes_written += os.stat(path).st_size if isinstance(source, FileSource) else \
                 memoryview(source).nbytes
         return wrote
 
