@@ -155,12 +155,8 @@ def encode_blocks(
     """Encode several blocks back to back into ``out``. Returns the total length written."""
     shape = layout.shape
     rb, hb, lb, nl = record_bytes(shape), header_bytes(shape.num_layers), shape.layer_bytes, shape.num_layers
-    dst = _as_u8(out)
+    dst = checked_output(shape, block_ids, namespaces, keys, parents, out)
     n = len(block_ids)
-    if not (len(namespaces) == len(keys) == len(parents) == n):
-        raise ValueError("block_ids, namespaces, keys and parents must have the same length")
-    if dst.nbytes < n * rb:
-        raise ValueError(f"output buffer holds {dst.nbytes} bytes, {n} records need {n * rb}")
     if layout.is_cuda:
         import torch
 
@@ -191,6 +187,18 @@ def encode_blocks(
             sums.append(h64(mv[base + j * lb : base + (j + 1) * lb]))  # hashed while still in cache
         _finish(dst[i * rb : (i + 1) * rb], shape, layout.kind, namespaces[i], keys[i], parents[i], sums)
     return n * rb
+
+
+def checked_output(shape: BlockShape, block_ids: Sequence[int], namespaces: Sequence[bytes], keys: Sequence[bytes],
+                   parents: Sequence[bytes], out) -> np.ndarray:
+    """``out`` as a flat uint8 array, once the batch's arguments agree and it holds every record."""
+    dst = _as_u8(out)
+    n = len(block_ids)
+    if not (len(namespaces) == len(keys) == len(parents) == n):
+        raise ValueError("block_ids, namespaces, keys and parents must have the same length")
+    if dst.nbytes < n * record_bytes(shape):
+        raise ValueError(f"output buffer holds {dst.nbytes} bytes, {n} records need {n * record_bytes(shape)}")
+    return dst
 
 
 def seal_records(dst: np.ndarray, shape: BlockShape, kind: EngineLayoutKind, namespaces: Sequence[bytes],

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .codec import encode_blocks, header_bytes, record_bytes, seal_records
+from .codec import checked_output, encode_blocks, header_bytes, record_bytes, seal_records
 from .layout import EngineLayout
 
 #: the second half of an encode: returns the bytes of the records, ready to write
@@ -43,19 +43,13 @@ def begin_encode(layout: EngineLayout, block_ids: Sequence[int], namespaces: Seq
     if not layout.is_cuda:
         n = encode_blocks(layout, block_ids, namespaces, keys, parents, out)
         return lambda: n
-    import numpy as np
     import torch
 
     from kernels import gather_records
 
     shape = layout.shape
     rb, hb = record_bytes(shape), header_bytes(shape.num_layers)
-    dst = out if isinstance(out, np.ndarray) else np.frombuffer(out, dtype=np.uint8)
-    n = len(block_ids)
-    if not (len(namespaces) == len(keys) == len(parents) == n):
-        raise ValueError("block_ids, namespaces, keys and parents must have the same length")
-    if dst.nbytes < n * rb:
-        raise ValueError(f"output buffer holds {dst.nbytes} bytes, {n} records need {n * rb}")
+    dst = checked_output(shape, block_ids, namespaces, keys, parents, out)
     engine = torch.cuda.current_stream(layout.device)
     side = _copy_stream(layout.device)
     side.wait_stream(engine)  # after the forward that wrote these blocks

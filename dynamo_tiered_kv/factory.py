@@ -14,9 +14,12 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .codec import record_bytes
 from .config import TieredKVConfig
 from .device_staging import DeviceStagingPool
+from .errors import ConfigError
 from .keys import Namespace
+from .layout import BlockShape
 from .staging import StagingPool
 from .store import TieredStore
 from .tiers.base import Tier
@@ -77,6 +80,15 @@ class _ProcessWideMetrics(Collector):
                     yield family
         except Exception as e:  # someone else's broken collector must not break our scrape
             log.warning("process-wide metrics skipped in this scrape: %s", e)
+
+
+def check_record_fits(config: TieredKVConfig, shape: BlockShape, unit: str) -> None:
+    """Refuse at start a staging slab too small for one record of this model (an engine ``unit``:
+    vLLM block, SGLang page): no save or restore could ever run."""
+    need = record_bytes(shape)
+    if need > config.staging_slab_bytes:
+        raise ConfigError(f"staging_slab_bytes={config.staging_slab_bytes} cannot hold one {unit} record of this "
+                          f"model ({need} bytes): set staging_slab_bytes to at least {need}")
 
 
 def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | None = None) -> TieredStore:

@@ -148,7 +148,8 @@ class ChunkReads:
                 end = min(n, first)
             else:  # the rest in equal chunks: no small tail chunk left queued behind the others
                 left = n - next_i
-                end = next_i + -(-left // -(-left // per_chunk))
+                chunks = -(-left // per_chunk)
+                end = next_i + -(-left // chunks)
             sources = {self._fastest(k) for k in keys[next_i:end]}
             # GPU-direct only when every block of the chunk is in a GPU-direct tier (else host staging)
             gd = sources if self._device_fits(layout) and None not in sources else set()

@@ -25,6 +25,7 @@ from typing import Any
 
 from . import step_trace
 from ._restore_interference import MAX_DECODE_FACTOR
+from .report import percentile
 from .restore import engine_base, load_async_extra, object_tier, require_vllm, run_plan
 
 MODULE = "dynamo_tiered_kv.bench._restore_interference"
@@ -62,19 +63,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else float("nan")
-
-
 def summarize(sessions: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for name, s in sessions.items():
         base = [x for r in s["rounds"] for x in r["baseline"]["itl_ms"]]
         rest = [x for r in s["rounds"] for x in r["restore"]["itl_ms"]]
         ttft = [x for r in s["rounds"] for x in r["restore"]["restore_ttft_ms"] if x is not None]
-        row = {"session": name, "samples": len(rest), "base_p50_ms": _pct(base, 0.5), "base_p99_ms": _pct(base, 0.99),
-               "base_max_ms": max(base, default=float("nan")), "p50_ms": _pct(rest, 0.5), "p99_ms": _pct(rest, 0.99),
+        row = {"session": name, "samples": len(rest), "base_p50_ms": percentile(base, 0.5),
+               "base_p99_ms": percentile(base, 0.99), "base_max_ms": max(base, default=float("nan")),
+               "p50_ms": percentile(rest, 0.5), "p99_ms": percentile(rest, 0.99),
                "max_ms": max(rest, default=float("nan")),
                "restore_ttft_ms": statistics.median(ttft) if ttft else None}
         row["p99_ratio"] = row["p99_ms"] / row["base_p99_ms"]
@@ -82,7 +79,7 @@ def summarize(sessions: dict[str, Any]) -> list[dict[str, Any]]:
         # the same long requests with their prefixes already in vLLM's prefix cache: the part of the
         # stall that is the engine's (their tails' prefill), not the restore's
         res = [x for r in s["rounds"] if "resident" in r for x in r["resident"]["itl_ms"]]
-        row["resident_p99_ms"] = _pct(res, 0.99) if res else None
+        row["resident_p99_ms"] = percentile(res, 0.99) if res else None
         row["p99_over_resident"] = row["p99_ms"] / row["resident_p99_ms"] if res else None
         if s.get("step_trace"):
             row["step_trace"] = step_trace.summarize(s["step_trace"])

@@ -19,6 +19,12 @@ from typing import Any
 _progress_on = True
 
 
+def percentile(xs: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile ``q`` (0..1) of ``xs``; NaN when empty."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))] if s else float("nan")
+
+
 def set_progress(enabled: bool) -> None:
     """Turn progress lines on or off for this process (``--no-progress``)."""
     global _progress_on

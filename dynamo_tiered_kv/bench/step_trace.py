@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Any
 
+from .report import percentile
+
 _TASKS = "/proc/self/task"
 _NUMBERED = re.compile(r"[_-]?\d+$")
 MIN_CPU_MS = 0.05  # below this a thread's share of a step is not recorded
@@ -71,11 +73,6 @@ class StepTrace:
                            "cpu_ms": groups})
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
-
-
 def summarize(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per phase kind (``r0-restore`` and ``r1-restore`` are ``restore``): steps, wall ms, step
     p50/p99/max ms, steps with a restore in flight and their p50, CPU ms per thread group."""
@@ -91,7 +88,7 @@ def summarize(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for g, ms in s["cpu_ms"].items():
                 cpu[g] = cpu.get(g, 0.0) + ms
         rows.append({"phase": kind, "steps": len(ss), "wall_ms": sum(dts), "step_p50_ms": statistics.median(dts),
-                     "step_p99_ms": _pct(dts, 0.99), "step_max_ms": max(dts), "restoring_steps": len(during),
+                     "step_p99_ms": percentile(dts, 0.99), "step_max_ms": max(dts), "restoring_steps": len(during),
                      "restoring_step_p50_ms": statistics.median(during) if during else None,
                      "cpu_ms": dict(sorted(cpu.items(), key=lambda kv: -kv[1]))})
     return rows

@@ -27,10 +27,8 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from ...codec import record_bytes
 from ...config import TieredKVConfig
-from ...errors import ConfigError
-from ...factory import build_store
+from ...factory import build_store, check_record_fits
 from ...keys import ROOT_KEY, BlockKey, Namespace
 from ...layout import EngineLayout
 from ...store import TieredStore
@@ -75,10 +73,7 @@ class TieredHiCacheStorage(HiCacheStorage):
             kv_dtype = str(mem_pool_host.dtype).removeprefix("torch.")
             ns = namespace_for(layout.shape, model_id=self.model_id, kv_dtype=kv_dtype, ranks=self.ranks,
                                is_mla=self.is_mla, tenant_salt=self.config.tenant_salt.get_secret_value())
-            need = record_bytes(layout.shape)
-            if need > self.config.staging_slab_bytes:
-                raise ConfigError(f"staging_slab_bytes={self.config.staging_slab_bytes} cannot hold one page record "
-                                  f"({need} bytes): set staging_slab_bytes to at least {need}")
+            check_record_fits(self.config, layout.shape, "page")
             self.store = build_store(self.config, ns, rank=self.ranks.process_rank)
             self.layout, self.namespace, self.page_size = layout, ns, int(mem_pool_host.page_size)
             log.info("dynamo_tiered_kv SGLang backend: host layout %s -> %s, %d pages, tiers %s",

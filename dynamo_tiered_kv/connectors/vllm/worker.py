@@ -9,10 +9,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ...codec import record_bytes
 from ...config import TieredKVConfig
-from ...errors import ConfigError
-from ...factory import build_store
+from ...factory import build_store, check_record_fits
 from ...keys import ROOT_KEY, Namespace, engine_block_key
 from ...layout import EngineLayout
 from ...residency import medium_of
@@ -72,19 +70,16 @@ class WorkerRole:
         self._onboard = Onboarder(self._restore, config.load_timeout_s)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        if any(_on_cpu(t) for t in kv_caches.values()):
-            request_amx_tiles()  # before the engine's first forward (see cpu_amx.py)
         layout = _detect_layout(kv_caches, self.block_size, self.num_kv_heads, self.head_size, self.is_mla)
+        if not layout.is_cuda:
+            request_amx_tiles()  # before the engine's first forward (see cpu_amx.py)
         self.layout = layout
         self.namespace = Namespace(self.model_id, self.kv_dtype, layout.kind.name,
                                    layout.shape.block_size, layout.shape.num_layers, layout.shape.num_kv_heads,
                                    layout.shape.head_size, self.tp_rank, self.tp_size,
                                    tenant_salt=self.config.tenant_salt.get_secret_value(),
                                    pp_rank=self.pp_rank, pp_size=self.pp_size)
-        need = record_bytes(layout.shape)
-        if need > self.config.staging_slab_bytes:
-            raise ConfigError(f"staging_slab_bytes={self.config.staging_slab_bytes} cannot hold one block record "
-                              f"of this model ({need} bytes): set staging_slab_bytes to at least {need}")
+        check_record_fits(self.config, layout.shape, "block")
         # Unique per worker process on the host: names its SSD directory and offsets its metrics port.
         rank = (self.dp_rank * self.pp_size + self.pp_rank) * self.tp_size + self.tp_rank
         self.store = build_store(self.config, self.namespace, rank=rank)
@@ -278,13 +273,6 @@ class WorkerRole:
         if self.store is not None:
             self.store.close()
             self.store = None
-
-
-def _on_cpu(cache: Any) -> bool:
-    """A layer's KV cache (a tensor, or a list/tuple of them) lives in host memory."""
-    first = cache[0] if isinstance(cache, (list, tuple)) and cache else cache
-    device = getattr(first, "device", None)
-    return device is not None and device.type == "cpu"
 
 
 def _detect_layout(kv_caches: dict[str, Any], block_size: int, num_kv_heads: int, head_size: int,
