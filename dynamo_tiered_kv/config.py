@@ -88,6 +88,11 @@ class TieredKVConfig(BaseSettings):
     load_async: bool = Field(
         True, description="restore in the background while the batch keeps decoding (vLLM WAITING_FOR_REMOTE_KVS)"
     )
+    restore_cpu_share: float = Field(
+        0.2, ge=0, le=1, description="CPU engines: while other requests run a forward, a restore's verify+scatter "
+        "takes at most this share of each engine step (the forward keeps every core busy, so restore CPU stretches "
+        "their decode steps); 0: unpaced. Idle steps never limit it"
+    )
     cache_reset: Literal["new_epoch", "keep"] = Field(
         "new_epoch", description="on vLLM's connector cache reset (weight update, and every sleep/pause with "
         "clear_cache): new_epoch makes all stored KV unreachable; keep ignores it (only if weights never change "

@@ -52,6 +52,7 @@ from .keys import BlockKey, Namespace
 from .layout import EngineLayout
 from .lifecycle import Background
 from .metrics import StoreMetrics
+from .pacing import Pacer
 from .policy import Admission, AdmissionPolicy, Retention
 from .residency import ResidencyListener, install, medium_of, notify
 from .staging import Slab, StagingPool
@@ -461,7 +462,7 @@ class TieredStore(ChunkReads):
 
     # --- load ------------------------------------------------------------------------------
     def load(self, layout: EngineLayout, block_ids: Sequence[int], keys: Sequence[BlockKey],
-             timeout: float | None = 30.0) -> LoadResult:
+             timeout: float | None = 30.0, pacer: Pacer | None = None) -> LoadResult:
         """Restore ``keys`` into engine blocks ``block_ids``, verifying every record.
 
         Returns which blocks were restored and which the engine must recompute, and where the time
@@ -471,6 +472,7 @@ class TieredStore(ChunkReads):
 
         Any thread but the store's own may call it (the engine's, or a background loader); the
         verify+scatter runs on the calling thread. Reads are pipelined (``store_reads``).
+        ``pacer``: lets the CPU verify+scatter through in slices (``pacing``); None: unpaced.
         """
         if len(block_ids) != len(keys):
             raise ValueError("block_ids and keys must have the same length")
@@ -479,7 +481,8 @@ class TieredStore(ChunkReads):
         _check_block_ids(layout, block_ids)
         t0 = time.perf_counter()
         res = LoadResult()
-        self._load_pipelined(layout, block_ids, keys, timeout, res.loaded_block_ids, res.tier_per_block, res.stages)
+        self._load_pipelined(layout, block_ids, keys, timeout, res.loaded_block_ids, res.tier_per_block, res.stages,
+                              pacer)
         res.failed_block_ids = list(block_ids[len(res.loaded_block_ids):])
         if res.failed_block_ids:
             self.metrics.load_failed_blocks.inc(len(res.failed_block_ids))

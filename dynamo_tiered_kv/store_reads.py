@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from .device_staging import DeviceSlab, DeviceSpan
 from .keys import BlockKey
 from .layout import EngineLayout
 from .metrics import StoreMetrics
+from .pacing import SLICE_BYTES, Pacer
 from .staging import Slab, StagingPool
 from .tiers.base import ReadRequest, Tier
 
@@ -82,6 +83,30 @@ class ChunkRead:
     nbytes: dict[int, int] = field(default_factory=dict)  # tier -> bytes arrived
 
 
+class _Paced:
+    """Runs a chunk's verify+scatter in slices, each admitted by the load's pacer (if any)."""
+
+    def __init__(self, pacer: Pacer | None, deadline: float | None, rb: int) -> None:
+        self.pacer, self.deadline = pacer, deadline
+        self.per_slice = max(1, SLICE_BYTES // rb)
+
+    def __call__(self, n: int, decode: Callable[[int, int], list[Any]]) -> list[Any]:
+        """``decode(a, b)`` verifies+scatters records ``a:b``; the errors of all ``n``, in order."""
+        if not n:
+            return []
+        if self.pacer is None:
+            return decode(0, n)
+        out: list[Any] = []
+        for a in range(0, n, self.per_slice):
+            self.pacer.admit(self.deadline)
+            t0 = time.perf_counter()
+            try:
+                out += decode(a, min(n, a + self.per_slice))
+            finally:
+                self.pacer.spent(time.perf_counter() - t0)
+        return out
+
+
 class ChunkReads:
     """Mixin of ``TieredStore``: the load pipeline. The attributes below are the store's."""
 
@@ -126,7 +151,8 @@ class ChunkReads:
 
     # --- caller side ---------------------------------------------------------------------------
     def _load_pipelined(self, layout: EngineLayout, block_ids: Sequence[int], keys: Sequence[BlockKey],
-                        timeout: float | None, loaded: list[int], tiers_of: list[str], st: LoadStages) -> None:
+                        timeout: float | None, loaded: list[int], tiers_of: list[str], st: LoadStages,
+                        pacer: Pacer | None = None) -> None:
         """Fill ``loaded``/``tiers_of`` with the restored prefix, ``st`` with the stage timings."""
         n = len(block_ids)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -176,7 +202,8 @@ class ChunkReads:
                 rd = inflight.popleft()
                 st.chunks += 1
                 if rd.in_place is not None:
-                    ok, want = self._decode_in_place(layout, rd, block_ids, keys, rb, loaded, tiers_of, st)
+                    ok, want = self._decode_in_place(layout, rd, block_ids, keys, rb, loaded, tiers_of, st,
+                                                     _Paced(pacer, deadline, rb))
                     if ok < want:
                         break
                     if rd.start + want < rd.end:  # records left the host tier since the chunk was planned
@@ -193,7 +220,8 @@ class ChunkReads:
                 for ti, b in rd.nbytes.items():
                     nbytes[ti] = nbytes.get(ti, 0) + b
                 t0 = time.perf_counter()
-                ok = self._decode_chunk(layout, rd, sources, block_ids, keys, rb, loaded, tiers_of)
+                ok = self._decode_chunk(layout, rd, sources, block_ids, keys, rb, loaded, tiers_of,
+                                        _Paced(pacer, deadline, rb))
                 st.decode_s += time.perf_counter() - t0
                 if ok < rd.end - rd.start:
                     break
@@ -209,7 +237,7 @@ class ChunkReads:
 
     def _decode_in_place(self, layout: EngineLayout, rd: ChunkRead, block_ids: Sequence[int],
                          keys: Sequence[BlockKey], rb: int, loaded: list[int], tiers_of: list[str],
-                         st: LoadStages) -> tuple[int, int]:
+                         st: LoadStages, paced: _Paced) -> tuple[int, int]:
         """Verify+scatter a host-tier chunk from the arena. Returns (restored, records found); records
         not found any more are left to a normal read of the rest of the chunk into ``rd.slab``."""
         ti = rd.in_place
@@ -230,7 +258,9 @@ class ChunkReads:
         try:
             ids, ks = block_ids[rd.start:rd.start + want], keys[rd.start:rd.start + want]
             try:
-                errors = decode_records(views[:want], layout, ids, namespace=self._ns_digest, keys=ks) if want else []
+                ns = self._ns_digest
+                errors = paced(want, lambda a, b: decode_records(views[a:b], layout, ids[a:b], namespace=ns,
+                                                                 keys=ks[a:b]))
             except Exception:  # a broken decode, not a bad record: fail the rest, keep serving
                 log.exception("decoding a load chunk failed; its blocks will be recomputed")
                 errors = None
@@ -254,7 +284,7 @@ class ChunkReads:
 
     def _decode_chunk(self, layout: EngineLayout, rd: ChunkRead, sources: list[int | None],
                       block_ids: Sequence[int], keys: Sequence[BlockKey], rb: int, loaded: list[int],
-                      tiers_of: list[str]) -> int:
+                      tiers_of: list[str], paced: _Paced) -> int:
         """Verify+scatter one read chunk; hand its slab on (promotion) or free it. Returns #restored."""
         start, slab = rd.start, rd.slab
         n_read = next((j for j, src in enumerate(sources) if src is None), len(sources))
@@ -270,7 +300,9 @@ class ChunkReads:
                 errors = decode_blocks_on_device(slab.tensor[:n_read * rb], layout, ids, namespace=self._ns_digest,
                                                  keys=ks)
             else:
-                errors = decode_blocks(slab.array[:n_read * rb], layout, ids, namespace=self._ns_digest, keys=ks)
+                arr = slab.array
+                errors = paced(n_read, lambda a, b: decode_blocks(arr[a * rb:b * rb], layout, ids[a:b],
+                                                                  namespace=self._ns_digest, keys=ks[a:b]))
         except Exception:  # not a bad record but a broken decode (e.g. CUDA OOM): fail the rest, keep serving
             log.exception("decoding a load chunk failed; its blocks will be recomputed")
             self._release(slab)

@@ -112,7 +112,7 @@ class _GatedStore:
         self.calls: list[tuple[list[int], float]] = []
         self.returned: set[int] = set()  # first block id of each load that returned
 
-    def load(self, layout, ids, keys, timeout=None):
+    def load(self, layout, ids, keys, timeout=None, pacer=None):
         self.calls.append((list(ids), timeout))
         if self.delay is not None:
             ok = timeout >= self.delay

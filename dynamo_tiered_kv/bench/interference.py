@@ -47,6 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2, help="baseline + restore rounds per session")
     p.add_argument("--max-batched-tokens", type=int, default=2048,
                    help="engine token budget per step (chunked prefill of recomputed prompts)")
+    p.add_argument("--long-prefill-tokens", type=int, default=0,
+                   help="vLLM long_prefill_token_threshold: at most this many prompt tokens of one request per "
+                        "step, so a restored request's suffix prefill is spread over steps (0: vLLM's default)")
+    p.add_argument("--restore-cpu-share", type=float, default=None,
+                   help="connector restore_cpu_share (pacing of verify+scatter against the forward; 0: unpaced; "
+                        "default: the connector's)")
     p.add_argument("--block-size", type=int, default=128, help="engine and store block size in tokens")
     p.add_argument("--tiers", default="host,ssd,object,recompute", help="sessions to run, comma-separated")
     p.add_argument("--load-async", choices=["on", "off", "both", "default"], default="both",
@@ -121,12 +127,16 @@ def _plan(args: argparse.Namespace, work: Path, longs: list[list[int]], obj: dic
     if not load_async_extra("on"):
         modes = ["default"]  # the store has no load_async setting (yet)
     ssd = {"ssd_dir": str((work / "ssd").resolve()), "ssd_capacity_bytes": 8 << 30, "ssd_segment_bytes": 256 << 20}
-    common = {"staging_slab_bytes": 16 << 20, "staging_slabs": 8}
+    common: dict[str, Any] = {"staging_slab_bytes": 16 << 20, "staging_slabs": 8}
+    if args.restore_cpu_share is not None:
+        common["restore_cpu_share"] = args.restore_cpu_share
+    engine_args = {"max_num_seqs": args.streams + args.restores + 2, "max_num_batched_tokens": args.max_batched_tokens}
+    if args.long_prefill_tokens:
+        engine_args["long_prefill_token_threshold"] = args.long_prefill_tokens
     phase = {"restores": longs, "streams": args.streams, "decode_tokens": args.decode_tokens,
              "decode_prompt_tokens": args.decode_prompt_tokens, "start_s": args.start_s, "stagger_s": args.stagger_s,
              "rounds": args.rounds, "resident": not args.no_resident, "trace_steps": args.trace_steps,
-             "engine_args": {"max_num_seqs": args.streams + args.restores + 2,
-                             "max_num_batched_tokens": args.max_batched_tokens}}
+             "engine_args": engine_args}
     plan: list[tuple[str, Any]] = []
     for tier in ("host", "ssd", "object"):
         for i, m in enumerate(modes):
@@ -173,7 +183,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {"model": model_desc(QWEN2_BENCH_SPEC), "context": args.context, "restores": args.restores,
                            "stagger_s": args.stagger_s, "streams": args.streams, "decode_tokens": args.decode_tokens,
                            "rounds": args.rounds, "max_batched_tokens": args.max_batched_tokens,
-                           "object_tier": obj_desc, "load_async": args.load_async, "cpu_count": os.cpu_count(),
+                           "object_tier": obj_desc, "load_async": args.load_async,
+                           "long_prefill_tokens": args.long_prefill_tokens,
+                           "restore_cpu_share": args.restore_cpu_share, "cpu_count": os.cpu_count(),
                            "sessions": sessions}
     res["rows"] = summarize(sessions)
     res["result_file"] = str(work / "interference.json")

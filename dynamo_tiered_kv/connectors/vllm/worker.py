@@ -13,6 +13,7 @@ from ...config import TieredKVConfig
 from ...factory import build_store, check_record_fits
 from ...keys import ROOT_KEY, Namespace, engine_block_key
 from ...layout import EngineLayout
+from ...pacing import StepShare
 from ...residency import medium_of
 from ...store import TieredStore
 from .cpu_amx import request_amx_tiles
@@ -68,11 +69,15 @@ class WorkerRole:
         self.save_seconds = 0.0
         self._asleep = False  # between unregister_kv_caches and restore_kv_caches (vLLM sleep mode)
         self._onboard = Onboarder(self._restore, config.load_timeout_s)
+        #: paces async restores' CPU verify+scatter against the forward (CPU layouts; set at registration)
+        self._pacer: StepShare | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         layout = _detect_layout(kv_caches, self.block_size, self.num_kv_heads, self.head_size, self.is_mla)
         if not layout.is_cuda:
             request_amx_tiles()  # before the engine's first forward (see cpu_amx.py)
+            share = self.config.restore_cpu_share
+            self._pacer = StepShare(share) if share > 0 else None
         self.layout = layout
         self.namespace = Namespace(self.model_id, self.kv_dtype, layout.kind.name,
                                    layout.shape.block_size, layout.shape.num_layers, layout.shape.num_kv_heads,
@@ -106,6 +111,8 @@ class WorkerRole:
     def start_load_kv(self, meta: TieredKVMetadata) -> None:
         """Submit this step's async restores; run its synchronous loads within one ``load_timeout_s``."""
         self._failed_this_step = set()
+        if self._pacer is not None:
+            self._pacer.step(busy=not meta.idle)
         if meta.reset_cache:
             self._onboard.reset()  # restores in flight bring KV of the old weights: recompute them
             if self._residency is not None:
@@ -128,7 +135,7 @@ class WorkerRole:
         store, layout = self.store, self.layout
         if store is None or layout is None:
             raise RuntimeError("store closed")
-        return store.load(layout, block_ids, keys, timeout=timeout)
+        return store.load(layout, block_ids, keys, timeout=timeout, pacer=self._pacer)
 
     def get_finished(self, finished_req_ids: set[str], idle: bool = False) -> set[str]:
         """Requests whose async restore is over; their failed blocks go into this step's load errors.
