@@ -22,6 +22,7 @@ Names (all prefixed ``dtkv_``; ``tier`` is the tier's ``name``):
     load_failed_blocks_total         blocks reported to the engine as failed loads
     restore_stage_seconds{stage,tier}  per load: stage "read" (tier = the tier; its read wall time),
                                      "wait" (caller blocked on reads), "decode" (verify+scatter),
+                                     "paced" (verify+scatter held back by restore_cpu_share),
                                      "total" (the load call); tier "all" for the caller's stages
     restore_bytes_total{tier}        record bytes restores read from each tier
     observability_failures_total{what}  observability set-up that failed while the store kept serving
@@ -105,7 +106,7 @@ class StoreMetrics:
                                               "observability set-up failures the store served through", ["what"],
                                               registry=r)
         self.restore_stage_seconds = Histogram("dtkv_restore_stage_seconds", "time per load stage (read per tier, "
-                                               "wait, decode, total)", ["stage", "tier"],
+                                               "wait, decode, paced, total)", ["stage", "tier"],
                                                buckets=_LATENCY_BUCKETS, registry=r)
         self.restore_bytes = Counter("dtkv_restore_bytes", "record bytes restores read, by tier", ["tier"],
                                      registry=r)
@@ -127,6 +128,8 @@ class StoreMetrics:
             self.restore_bytes.labels(tier).inc(n)
         h.labels("wait", "all").observe(st.wait_s)
         h.labels("decode", "all").observe(st.decode_s)
+        if st.paced_s:
+            h.labels("paced", "all").observe(st.paced_s)
         h.labels("total", "all").observe(st.total_s)
 
     def value(self, name: str, **labels: str) -> float:

@@ -49,13 +49,15 @@ class LoadStages:
     so chunks read in parallel count once); for in-place host reads, the time to pin the records.
     ``read_bytes[tier]``: record bytes that arrived from the tier. ``wait_s``: time the calling
     thread was blocked on reads (what overlapping did not hide). ``decode_s``: verify+scatter on
-    the calling thread. ``total_s``: the whole call. Lookup is the caller's and not included.
+    the calling thread, not counting ``paced_s``: time verify+scatter slices waited for the
+    caller's pacer. ``total_s``: the whole call. Lookup is the caller's and not included.
     """
 
     read_s: dict[str, float] = field(default_factory=dict)
     read_bytes: dict[str, int] = field(default_factory=dict)
     wait_s: float = 0.0
     decode_s: float = 0.0
+    paced_s: float = 0.0
     total_s: float = 0.0
     chunks: int = 0
 
@@ -89,6 +91,7 @@ class _Paced:
     def __init__(self, pacer: Pacer | None, deadline: float | None, rb: int) -> None:
         self.pacer, self.deadline = pacer, deadline
         self.per_slice = max(1, SLICE_BYTES // rb)
+        self.waited_s = 0.0
 
     def __call__(self, n: int, decode: Callable[[int, int], list[Any]]) -> list[Any]:
         """``decode(a, b)`` verifies+scatters records ``a:b``; the errors of all ``n``, in order."""
@@ -98,7 +101,9 @@ class _Paced:
             return decode(0, n)
         out: list[Any] = []
         for a in range(0, n, self.per_slice):
+            t0 = time.perf_counter()
             self.pacer.admit(self.deadline)
+            self.waited_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             try:
                 out += decode(a, min(n, a + self.per_slice))
@@ -161,6 +166,7 @@ class ChunkReads:
         first = max(1, min(per_chunk, self.load_first_chunk_bytes // rb))
         in_place_ok = layout.fast_table() is not None
         inflight: deque[ChunkRead] = deque()
+        paced = _Paced(pacer, deadline, rb)
         next_i = 0
         spans: dict[int, list[tuple[float, float]]] = {}
         nbytes: dict[int, int] = {}
@@ -202,8 +208,7 @@ class ChunkReads:
                 rd = inflight.popleft()
                 st.chunks += 1
                 if rd.in_place is not None:
-                    ok, want = self._decode_in_place(layout, rd, block_ids, keys, rb, loaded, tiers_of, st,
-                                                     _Paced(pacer, deadline, rb))
+                    ok, want = self._decode_in_place(layout, rd, block_ids, keys, rb, loaded, tiers_of, st, paced)
                     if ok < want:
                         break
                     if rd.start + want < rd.end:  # records left the host tier since the chunk was planned
@@ -220,14 +225,15 @@ class ChunkReads:
                 for ti, b in rd.nbytes.items():
                     nbytes[ti] = nbytes.get(ti, 0) + b
                 t0 = time.perf_counter()
-                ok = self._decode_chunk(layout, rd, sources, block_ids, keys, rb, loaded, tiers_of,
-                                        _Paced(pacer, deadline, rb))
+                ok = self._decode_chunk(layout, rd, sources, block_ids, keys, rb, loaded, tiers_of, paced)
                 st.decode_s += time.perf_counter() - t0
                 if ok < rd.end - rd.start:
                     break
         finally:
             while inflight:  # a failure stopped us: later chunks are not needed
                 self._abandon(inflight.popleft())
+            st.paced_s = paced.waited_s
+            st.decode_s -= paced.waited_s
         for ti, sp in spans.items():
             name = self.tiers[ti].name
             st.read_s[name] = st.read_s.get(name, 0.0) + _union(sp)

@@ -292,3 +292,32 @@ def test_real_store_async_restore_matches_and_records_engine_wait(tmp_path) -> N
 def test_config_flag_selects_the_mode(load_async: bool) -> None:
     r, req = _role(load_async=load_async), FakeRequest("r", list(range(22)))
     assert r.get_num_new_matched_tokens(req, 0) == (12, load_async)
+
+
+@pytest.mark.parametrize("share", [0.2, 0.0])
+def test_cpu_restores_are_paced_by_the_engine_steps(share: float) -> None:
+    from dynamo_tiered_kv.layout import EngineLayoutKind, allocate_engine_kv
+    from dynamo_tiered_kv.pacing import StepShare
+
+    cfg = {"host_capacity_bytes": 16 << 20, "metrics_port": None, "restore_cpu_share": share}
+    w = WorkerRole(TieredKVConfig.from_mapping(cfg), model_id="m", kv_dtype="bfloat16", block_size=BS,
+                   num_kv_heads=2, head_size=8, tp_rank=0, tp_size=1, engine_key=f"t-{uuid.uuid4().hex[:8]}",
+                   authkey=b"k")
+    caches = allocate_engine_kv(EngineLayoutKind.VLLM_CPU, num_layers=2, num_blocks=8, block_size=BS,
+                                num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    w.register_kv_caches({f"model.layers.{i}.self_attn": t for i, t in enumerate(caches)})
+    try:
+        pacer = w._pacer
+        assert (pacer is None) if share == 0 else isinstance(pacer, StepShare) and pacer.share == share
+        seen: list[object] = []
+        real_load = w.store.load
+        w.store.load = lambda *a, **kw: (seen.append(kw.get("pacer")), real_load(*a, **kw))[1]
+        w.start_load_kv(TieredKVMetadata(idle=False, loads=[LoadSpec("b", [5], [b"h" * 16], is_async=True)]))
+        assert _finished(w) == {"b"}
+        assert seen == [pacer]  # async restores carry the pacer; a miss here, so block 5 failed
+        if pacer is not None:
+            assert not pacer._free  # the step ran a forward: restores are limited
+            w.start_load_kv(TieredKVMetadata(idle=True))
+            assert pacer._free
+    finally:
+        w.shutdown()
