@@ -30,6 +30,9 @@ class Pacer(Protocol):
     def spent(self, seconds: float) -> None:
         """A slice admitted by ``admit`` took ``seconds``."""
 
+    def limiting(self) -> bool:
+        """True while slices are being held back (the store then reads fewer chunks ahead)."""
+
 
 class StepShare:
     """Grants each busy engine step ``share`` of that step's duration (the previous step's, as
@@ -77,3 +80,6 @@ class StepShare:
         with self._cond:
             if not self._free:
                 self._credit -= seconds
+
+    def limiting(self) -> bool:
+        return not self._free

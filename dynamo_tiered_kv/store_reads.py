@@ -201,8 +201,10 @@ class ChunkReads:
             while per_chunk > 0 and not self._closed:
                 if not inflight and (next_i >= n or not start(remaining())):
                     break
-                # read ahead into slabs free right now, leaving one for offloads
-                while (next_i < n and len(inflight) < self.load_depth and self.staging.free_count > 1
+                # read ahead into slabs free right now, leaving one for offloads; while the pacer
+                # holds verify+scatter back, only the next chunk: the reads' CPU is spread out too
+                depth = min(2, self.load_depth) if pacer is not None and pacer.limiting() else self.load_depth
+                while (next_i < n and len(inflight) < depth and self.staging.free_count > 1
                        and start(0)):
                     pass
                 rd = inflight.popleft()

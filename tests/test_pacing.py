@@ -115,6 +115,9 @@ class RecordingPacer:
         assert seconds >= 0
         self.spent_calls += 1
 
+    def limiting(self) -> bool:
+        return False
+
 
 @pytest.mark.parametrize("tier_kind", ["host", "ssd"])
 def test_paced_load_restores_the_same_bytes_in_slices(tier_kind: str, monkeypatch) -> None:
@@ -177,4 +180,31 @@ def test_paced_load_waits_for_engine_steps_but_ends_by_its_deadline(monkeypatch)
         st = res.stages
         assert st.paced_s >= 8 * 0.04 and 0 <= st.decode_s < st.paced_s  # held back, not decoding
         assert store.metrics.value("restore_stage_seconds_count", stage="paced", tier="all") == 1
+    pool.close()
+
+
+class _Limiting(RecordingPacer):
+    def limiting(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("limiting", [True, False])
+def test_a_limiting_pacer_reads_only_the_next_chunk_ahead(limiting: bool, monkeypatch) -> None:
+    from tests.test_store_pipeline import PieceTier
+
+    monkeypatch.setattr(sr, "MIN_PIECE_BYTES", 1 << 40)  # one read per chunk: reads in flight = chunks
+    pool = StagingPool(16 * REC, 6, pin=False)
+    ssd = PieceTier("ssd", 64 * REC)
+    src, keys = make_layout(64, seed=6), keys_for(24)
+    store = make_store([ssd], pool, load_chunk_bytes=3 * REC, load_first_chunk_bytes=3 * REC)
+    with store:
+        store.submit_offload(src, list(range(1, 25)), keys, parents_of(keys))
+        assert store.drain(10)
+        res = store.load(make_layout(64), list(range(30, 54)), keys, timeout=10,
+                         pacer=_Limiting() if limiting else RecordingPacer())
+        assert res.loaded_block_ids == list(range(30, 54))
+        if limiting:
+            assert ssd.max_in_flight <= 2
+        else:
+            assert ssd.max_in_flight >= 3  # the store's usual read-ahead
     pool.close()
