@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from .codec import decode_blocks, decode_records, record_bytes
+from .decode_fanout import fan_out
 from .device_staging import DeviceSlab, DeviceSpan
 from .keys import BlockKey
 from .layout import EngineLayout
@@ -86,10 +87,11 @@ class ChunkRead:
 
 
 class _Paced:
-    """Runs a chunk's verify+scatter in slices, each admitted by the load's pacer (if any)."""
+    """Runs a chunk's verify+scatter: in slices, each admitted by the load's pacer, while it limits
+    the restore's CPU; else fanned out over a few threads (``decode_fanout``)."""
 
     def __init__(self, pacer: Pacer | None, deadline: float | None, rb: int) -> None:
-        self.pacer, self.deadline = pacer, deadline
+        self.pacer, self.deadline, self.rb = pacer, deadline, rb
         self.per_slice = max(1, SLICE_BYTES // rb)
         self.waited_s = 0.0
 
@@ -97,8 +99,8 @@ class _Paced:
         """``decode(a, b)`` verifies+scatters records ``a:b``; the errors of all ``n``, in order."""
         if not n:
             return []
-        if self.pacer is None:
-            return decode(0, n)
+        if self.pacer is None or not self.pacer.limiting():
+            return fan_out(n, self.rb, decode)
         out: list[Any] = []
         for a in range(0, n, self.per_slice):
             t0 = time.perf_counter()

@@ -100,12 +100,13 @@ def test_share_must_be_a_fraction() -> None:
 
 
 class RecordingPacer:
-    """Admits every slice at once; records how many records each slice held (via the store's spent)."""
+    """Admits every slice at once and counts them; ``limiting`` as given."""
 
-    def __init__(self) -> None:
+    def __init__(self, limiting: bool = True) -> None:
         self.admits = 0
         self.spent_calls = 0
         self.deadlines: list[float | None] = []
+        self._limiting = limiting
 
     def admit(self, deadline: float | None) -> None:
         self.admits += 1
@@ -116,7 +117,7 @@ class RecordingPacer:
         self.spent_calls += 1
 
     def limiting(self) -> bool:
-        return False
+        return self._limiting
 
 
 @pytest.mark.parametrize("tier_kind", ["host", "ssd"])
@@ -183,11 +184,6 @@ def test_paced_load_waits_for_engine_steps_but_ends_by_its_deadline(monkeypatch)
     pool.close()
 
 
-class _Limiting(RecordingPacer):
-    def limiting(self) -> bool:
-        return True
-
-
 @pytest.mark.parametrize("limiting", [True, False])
 def test_a_limiting_pacer_reads_only_the_next_chunk_ahead(limiting: bool, monkeypatch) -> None:
     from tests.test_store_pipeline import PieceTier
@@ -201,7 +197,7 @@ def test_a_limiting_pacer_reads_only_the_next_chunk_ahead(limiting: bool, monkey
         store.submit_offload(src, list(range(1, 25)), keys, parents_of(keys))
         assert store.drain(10)
         res = store.load(make_layout(64), list(range(30, 54)), keys, timeout=10,
-                         pacer=_Limiting() if limiting else RecordingPacer())
+                         pacer=RecordingPacer(limiting))
         assert res.loaded_block_ids == list(range(30, 54))
         if limiting:
             assert ssd.max_in_flight <= 2
