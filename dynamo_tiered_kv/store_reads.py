@@ -86,12 +86,13 @@ class ChunkRead:
     nbytes: dict[int, int] = field(default_factory=dict)  # tier -> bytes arrived
 
 
-class _Paced:
+class _ChunkDecoder:
     """Runs a chunk's verify+scatter: in slices, each admitted by the load's pacer, while it limits
-    the restore's CPU; else fanned out over a few threads (``decode_fanout``)."""
+    the restore's CPU; else, for layouts the compiled decoder handles, fanned out over a few
+    threads (``decode_fanout``)."""
 
-    def __init__(self, pacer: Pacer | None, deadline: float | None, rb: int) -> None:
-        self.pacer, self.deadline, self.rb = pacer, deadline, rb
+    def __init__(self, pacer: Pacer | None, deadline: float | None, rb: int, fan: bool) -> None:
+        self.pacer, self.deadline, self.rb, self.fan = pacer, deadline, rb, fan
         self.per_slice = max(1, SLICE_BYTES // rb)
         self.waited_s = 0.0
 
@@ -100,7 +101,7 @@ class _Paced:
         if not n:
             return []
         if self.pacer is None or not self.pacer.limiting():
-            return fan_out(n, self.rb, decode)
+            return fan_out(n, self.rb, decode) if self.fan else decode(0, n)
         out: list[Any] = []
         for a in range(0, n, self.per_slice):
             t0 = time.perf_counter()
@@ -168,7 +169,7 @@ class ChunkReads:
         first = max(1, min(per_chunk, self.load_first_chunk_bytes // rb))
         in_place_ok = layout.fast_table() is not None
         inflight: deque[ChunkRead] = deque()
-        paced = _Paced(pacer, deadline, rb)
+        decoder = _ChunkDecoder(pacer, deadline, rb, fan=in_place_ok)
         next_i = 0
         spans: dict[int, list[tuple[float, float]]] = {}
         nbytes: dict[int, int] = {}
@@ -212,7 +213,7 @@ class ChunkReads:
                 rd = inflight.popleft()
                 st.chunks += 1
                 if rd.in_place is not None:
-                    ok, want = self._decode_in_place(layout, rd, block_ids, keys, rb, loaded, tiers_of, st, paced)
+                    ok, want = self._decode_in_place(layout, rd, block_ids, keys, rb, loaded, tiers_of, st, decoder)
                     if ok < want:
                         break
                     if rd.start + want < rd.end:  # records left the host tier since the chunk was planned
@@ -229,15 +230,15 @@ class ChunkReads:
                 for ti, b in rd.nbytes.items():
                     nbytes[ti] = nbytes.get(ti, 0) + b
                 t0 = time.perf_counter()
-                ok = self._decode_chunk(layout, rd, sources, block_ids, keys, rb, loaded, tiers_of, paced)
+                ok = self._decode_chunk(layout, rd, sources, block_ids, keys, rb, loaded, tiers_of, decoder)
                 st.decode_s += time.perf_counter() - t0
                 if ok < rd.end - rd.start:
                     break
         finally:
             while inflight:  # a failure stopped us: later chunks are not needed
                 self._abandon(inflight.popleft())
-            st.paced_s = paced.waited_s
-            st.decode_s -= paced.waited_s
+            st.paced_s = decoder.waited_s
+            st.decode_s -= decoder.waited_s
         for ti, sp in spans.items():
             name = self.tiers[ti].name
             st.read_s[name] = st.read_s.get(name, 0.0) + _union(sp)
@@ -247,7 +248,7 @@ class ChunkReads:
 
     def _decode_in_place(self, layout: EngineLayout, rd: ChunkRead, block_ids: Sequence[int],
                          keys: Sequence[BlockKey], rb: int, loaded: list[int], tiers_of: list[str],
-                         st: LoadStages, paced: _Paced) -> tuple[int, int]:
+                         st: LoadStages, decoder: _ChunkDecoder) -> tuple[int, int]:
         """Verify+scatter a host-tier chunk from the arena. Returns (restored, records found); records
         not found any more are left to a normal read of the rest of the chunk into ``rd.slab``."""
         ti = rd.in_place
@@ -269,7 +270,7 @@ class ChunkReads:
             ids, ks = block_ids[rd.start:rd.start + want], keys[rd.start:rd.start + want]
             try:
                 ns = self._ns_digest
-                errors = paced(want, lambda a, b: decode_records(views[a:b], layout, ids[a:b], namespace=ns,
+                errors = decoder(want, lambda a, b: decode_records(views[a:b], layout, ids[a:b], namespace=ns,
                                                                  keys=ks[a:b]))
             except Exception:  # a broken decode, not a bad record: fail the rest, keep serving
                 log.exception("decoding a load chunk failed; its blocks will be recomputed")
@@ -294,7 +295,7 @@ class ChunkReads:
 
     def _decode_chunk(self, layout: EngineLayout, rd: ChunkRead, sources: list[int | None],
                       block_ids: Sequence[int], keys: Sequence[BlockKey], rb: int, loaded: list[int],
-                      tiers_of: list[str], paced: _Paced) -> int:
+                      tiers_of: list[str], decoder: _ChunkDecoder) -> int:
         """Verify+scatter one read chunk; hand its slab on (promotion) or free it. Returns #restored."""
         start, slab = rd.start, rd.slab
         n_read = next((j for j, src in enumerate(sources) if src is None), len(sources))
@@ -311,7 +312,7 @@ class ChunkReads:
                                                  keys=ks)
             else:
                 arr = slab.array
-                errors = paced(n_read, lambda a, b: decode_blocks(arr[a * rb:b * rb], layout, ids[a:b],
+                errors = decoder(n_read, lambda a, b: decode_blocks(arr[a * rb:b * rb], layout, ids[a:b],
                                                                   namespace=self._ns_digest, keys=ks[a:b]))
         except Exception:  # not a bad record but a broken decode (e.g. CUDA OOM): fail the rest, keep serving
             log.exception("decoding a load chunk failed; its blocks will be recomputed")
