@@ -23,6 +23,8 @@ Timing definitions (all wall clock, ``perf_counter``):
 * ``drain_ms`` (dtkv): after the request returns, the time until ``store.drain`` reports every
   accepted offload written to every tier (host and SSD write acknowledged);
 * ``load_hook_ms``: time inside ``start_load_kv`` + ``wait_for_layer_load``;
+* ``restore_ms`` (dtkv): the restores' own time (``TieredStore.load`` calls, on the onboarding
+  threads for asynchronous restores, which the load hooks only submit);
 * ``lookup_ms``: scheduler time inside ``get_num_new_matched_tokens`` (finding the stored prefix).
 """
 
@@ -133,6 +135,7 @@ class Session:
         if self.worker is not None:
             self.worker.served.clear()
         before, t0 = dict(_timers), self._read_bytes()
+        loaded_s = self.worker.load_seconds if self.worker is not None else 0.0
         t = time.perf_counter()
         out = self.llm.generate([{"prompt_token_ids": prompt}], self.first, use_tqdm=False)[0]
         ttft = time.perf_counter() - t
@@ -153,6 +156,8 @@ class Session:
                 for n in names:
                     tiers[n] = tiers.get(n, 0) + 1
             rec["served_blocks"] = tiers
+            # the restores' own time (an async restore runs outside the load hooks)
+            rec["restore_ms"] = (self.worker.load_seconds - loaded_s) * 1000
             rec["restored_tokens"] = sum(tiers.values()) * self.block_size
         return rec
 
