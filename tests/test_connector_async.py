@@ -262,18 +262,23 @@ def test_connector_get_finished_shape() -> None:
     assert c.get_finished(set()) == (None, None)
 
 
-def test_real_store_async_restore_matches_and_records_engine_wait(tmp_path) -> None:
+def _registered_worker(cfg: dict, kind: str) -> tuple[WorkerRole, list[torch.Tensor]]:
+    """A worker with a real store, registered over random KV caches of layout ``kind`` on the CPU."""
     from dynamo_tiered_kv.layout import EngineLayoutKind, allocate_engine_kv
 
-    cfg = {"host_capacity_bytes": 64 << 20, "metrics_port": None}
-    w = WorkerRole(TieredKVConfig.from_mapping(cfg), model_id="m", kv_dtype="bfloat16", block_size=BS,
-                   num_kv_heads=2, head_size=8, tp_rank=0, tp_size=1, engine_key=f"t-{uuid.uuid4().hex[:8]}",
-                   authkey=b"k")
-    caches = allocate_engine_kv(EngineLayoutKind.FLASH_ATTN, num_layers=2, num_blocks=8, block_size=BS,
+    w = WorkerRole(TieredKVConfig.from_mapping({"metrics_port": None, **cfg}), model_id="m", kv_dtype="bfloat16",
+                   block_size=BS, num_kv_heads=2, head_size=8, tp_rank=0, tp_size=1,
+                   engine_key=f"t-{uuid.uuid4().hex[:8]}", authkey=b"k")
+    caches = allocate_engine_kv(EngineLayoutKind[kind], num_layers=2, num_blocks=8, block_size=BS,
                                 num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
     for t in caches:
         t.copy_(torch.randn_like(t))
     w.register_kv_caches({f"model.layers.{i}.self_attn": t for i, t in enumerate(caches)})
+    return w, caches
+
+
+def test_real_store_async_restore_matches_and_records_engine_wait(tmp_path) -> None:
+    w, caches = _registered_worker({"host_capacity_bytes": 64 << 20}, "FLASH_ATTN")
     try:
         hashes = [bytes([i]) * 16 for i in range(3)]
         w.wait_for_save(TieredKVMetadata(saves=[SaveSpec("a", [1, 2, 3], hashes, 0)]))
@@ -296,16 +301,9 @@ def test_config_flag_selects_the_mode(load_async: bool) -> None:
 
 @pytest.mark.parametrize("share", [0.2, 0.0])
 def test_cpu_restores_are_paced_by_the_engine_steps(share: float) -> None:
-    from dynamo_tiered_kv.layout import EngineLayoutKind, allocate_engine_kv
     from dynamo_tiered_kv.pacing import StepShare
 
-    cfg = {"host_capacity_bytes": 16 << 20, "metrics_port": None, "restore_cpu_share": share}
-    w = WorkerRole(TieredKVConfig.from_mapping(cfg), model_id="m", kv_dtype="bfloat16", block_size=BS,
-                   num_kv_heads=2, head_size=8, tp_rank=0, tp_size=1, engine_key=f"t-{uuid.uuid4().hex[:8]}",
-                   authkey=b"k")
-    caches = allocate_engine_kv(EngineLayoutKind.VLLM_CPU, num_layers=2, num_blocks=8, block_size=BS,
-                                num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
-    w.register_kv_caches({f"model.layers.{i}.self_attn": t for i, t in enumerate(caches)})
+    w, _ = _registered_worker({"host_capacity_bytes": 16 << 20, "restore_cpu_share": share}, "VLLM_CPU")
     try:
         pacer = w._pacer
         assert (pacer is None) if share == 0 else isinstance(pacer, StepShare) and pacer.share == share

@@ -10,10 +10,9 @@ import time
 import pytest
 
 import dynamo_tiered_kv.decode_fanout as fo
-from dynamo_tiered_kv.keys import parents_of
-from dynamo_tiered_kv.staging import StagingPool
 from dynamo_tiered_kv.tiers.host import HostTier
-from tests.test_store import REC, NamedHost, block_bytes, keys_for, make_layout, make_store
+from tests.test_pacing import stored
+from tests.test_store import REC, NamedHost, block_bytes, make_layout
 
 
 @pytest.fixture
@@ -74,13 +73,9 @@ def test_unpaced_load_restores_the_same_bytes_fanned_out(tier_kind: str, three_w
     import dynamo_tiered_kv.store_reads as sr
 
     monkeypatch.setattr(sr, "fan_out", spy)
-    pool = StagingPool(16 * REC, 6, pin=False)
     tier = HostTier(64 * REC, chunk_bytes=REC, pin=False) if tier_kind == "host" else NamedHost("ssd", 64 * REC)
-    src, keys = make_layout(64, seed=8), keys_for(20)
-    store = make_store([tier], pool)
+    store, pool, src, keys = stored(tier, 20, 8)
     with store:
-        store.submit_offload(src, list(range(1, 21)), keys, parents_of(keys))
-        assert store.drain(10)
         _, chunks = tier._index[keys[14]]
         tier._chunks[chunks[0], REC - 100] ^= 0xFF  # a bad record in a later range
         dst = make_layout(64)

@@ -23,6 +23,25 @@ def _admit_in_thread(p: StepShare, deadline: float | None = None) -> tuple[threa
     return t, done
 
 
+def _blocked_until_an_idle_step(p: StepShare) -> None:
+    t, done = _admit_in_thread(p)
+    time.sleep(0.1)
+    assert not done
+    p.step(busy=False)
+    t.join(2)
+    assert done
+
+
+def stored(tier, n: int, seed: int, **kw):
+    """A store over ``tier`` holding ``n`` blocks of a seeded layout: (store, pool, src, keys)."""
+    pool = StagingPool(16 * REC, 6, pin=False)
+    src, keys = make_layout(64, seed=seed), keys_for(n)
+    store = make_store([tier], pool, **kw)
+    store.submit_offload(src, list(range(1, n + 1)), keys, parents_of(keys))
+    assert store.drain(10)
+    return store, pool, src, keys
+
+
 def test_idle_engine_never_limits() -> None:
     p = StepShare(0.1, stall_s=5.0)
     p.admit(None)  # before any step: nothing to protect
@@ -55,12 +74,7 @@ def test_busy_steps_grant_a_share_of_the_step_and_debt_carries() -> None:
     p.spent(0.2)  # -153 ms: a ~20 ms step (10 ms grant) does not pay that off
     time.sleep(0.02)
     p.step(busy=True)
-    t, done = _admit_in_thread(p)
-    time.sleep(0.1)
-    assert not done
-    p.step(busy=False)
-    t.join(2)
-    assert done
+    _blocked_until_an_idle_step(p)
 
 
 def test_unused_grant_is_not_saved_up() -> None:
@@ -70,12 +84,7 @@ def test_unused_grant_is_not_saved_up() -> None:
     p.step(busy=True)  # grant 100 ms
     p.step(busy=True)  # a short step right after: replaces the unused 100 ms with ~0
     p.spent(0.01)
-    t, done = _admit_in_thread(p)
-    time.sleep(0.1)
-    assert not done
-    p.step(busy=False)
-    t.join(2)
-    assert done
+    _blocked_until_an_idle_step(p)
 
 
 def test_a_stalled_engine_or_the_deadline_lets_the_slice_run() -> None:
@@ -123,13 +132,9 @@ class RecordingPacer:
 @pytest.mark.parametrize("tier_kind", ["host", "ssd"])
 def test_paced_load_restores_the_same_bytes_in_slices(tier_kind: str, monkeypatch) -> None:
     monkeypatch.setattr(sr, "SLICE_BYTES", 3 * REC)
-    pool = StagingPool(16 * REC, 6, pin=False)
     tier = HostTier(64 * REC, chunk_bytes=REC, pin=False) if tier_kind == "host" else NamedHost("ssd", 64 * REC)
-    src, keys = make_layout(64, seed=5), keys_for(20)
-    store = make_store([tier], pool)
+    store, pool, src, keys = stored(tier, 20, 5)
     with store:
-        store.submit_offload(src, list(range(1, 21)), keys, parents_of(keys))
-        assert store.drain(10)
         pacer = RecordingPacer()
         dst = make_layout(64)
         res = store.load(dst, list(range(30, 50)), keys, timeout=10, pacer=pacer)
@@ -144,13 +149,9 @@ def test_paced_load_restores_the_same_bytes_in_slices(tier_kind: str, monkeypatc
 
 def test_paced_load_still_stops_at_a_corrupt_record(monkeypatch) -> None:
     monkeypatch.setattr(sr, "SLICE_BYTES", 2 * REC)
-    pool = StagingPool(16 * REC, 6, pin=False)
     ssd = NamedHost("ssd", 64 * REC)
-    src, keys = make_layout(64, seed=9), keys_for(10)
-    store = make_store([ssd], pool)
+    store, pool, _, keys = stored(ssd, 10, 9)
     with store:
-        store.submit_offload(src, list(range(1, 11)), keys, parents_of(keys))
-        assert store.drain(10)
         _, chunks = ssd._index[keys[5]]
         ssd._chunks[chunks[0], REC - 100] ^= 0xFF  # flip a payload byte of record 5
         res = store.load(make_layout(64), list(range(30, 40)), keys, timeout=10, pacer=RecordingPacer())
@@ -163,13 +164,9 @@ def test_paced_load_still_stops_at_a_corrupt_record(monkeypatch) -> None:
 
 def test_paced_load_waits_for_engine_steps_but_ends_by_its_deadline(monkeypatch) -> None:
     monkeypatch.setattr(sr, "SLICE_BYTES", REC)
-    pool = StagingPool(16 * REC, 6, pin=False)
     host = HostTier(64 * REC, chunk_bytes=REC, pin=False)
-    src, keys = make_layout(64, seed=4), keys_for(8)
-    store = make_store([host], pool)
+    store, pool, _, keys = stored(host, 8, 4)
     with store:
-        store.submit_offload(src, list(range(1, 9)), keys, parents_of(keys))
-        assert store.drain(10)
         pacer = StepShare(0.01, stall_s=0.05, first_step_s=0.001)
         pacer.step(busy=True)
         pacer.spent(10.0)  # deep in debt and no further step: every slice waits for stall_s
@@ -189,13 +186,9 @@ def test_a_limiting_pacer_reads_only_the_next_chunk_ahead(limiting: bool, monkey
     from tests.test_store_pipeline import PieceTier
 
     monkeypatch.setattr(sr, "MIN_PIECE_BYTES", 1 << 40)  # one read per chunk: reads in flight = chunks
-    pool = StagingPool(16 * REC, 6, pin=False)
     ssd = PieceTier("ssd", 64 * REC)
-    src, keys = make_layout(64, seed=6), keys_for(24)
-    store = make_store([ssd], pool, load_chunk_bytes=3 * REC, load_first_chunk_bytes=3 * REC)
+    store, pool, _, keys = stored(ssd, 24, 6, load_chunk_bytes=3 * REC, load_first_chunk_bytes=3 * REC)
     with store:
-        store.submit_offload(src, list(range(1, 25)), keys, parents_of(keys))
-        assert store.drain(10)
         res = store.load(make_layout(64), list(range(30, 54)), keys, timeout=10,
                          pacer=RecordingPacer(limiting))
         assert res.loaded_block_ids == list(range(30, 54))
