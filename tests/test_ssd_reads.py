@@ -78,3 +78,59 @@ def test_nixl_transfers_of_several_threads_overlap_and_split_descriptors(tmp_pat
         assert np.array_equal(dst, data)
     finally:
         io.close_fd(fd)
+
+
+def test_device_queue_expects_the_bytes_ahead_and_learns_the_device_rate(monkeypatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(sio.time, "monotonic", lambda: now[0])
+    q = sio.DeviceQueue(gbps=1.0)
+    a = q.post(8 << 20)
+    b = q.post(8 << 20)  # behind a: expected when both are done
+    assert b.expect_s == pytest.approx(2 * a.expect_s)
+    assert a.expect_s == pytest.approx((8 << 20) / 1e9)
+    now[0] += 0.004  # both done in 4 ms: the device moves 16 MiB in 4 ms, ~4.2 GB/s
+    q.done(a)
+    q.done(b)
+    assert 1e9 < q.rate < 4.2e9
+    for _ in range(40):
+        p = q.post(8 << 20)
+        now[0] += 0.002
+        q.done(p)
+    assert q.rate == pytest.approx((8 << 20) / 0.002, rel=0.01)
+    assert q.post(1 << 20).expect_s == pytest.approx(0.25e-3, rel=0.02)  # nothing else in flight
+
+
+class _SlowAgent:
+    """A NIXL agent stand-in whose transfer completes ``after`` seconds after it was posted."""
+
+    def __init__(self, after: float) -> None:
+        self.after = after
+        self.checks = 0
+        self.posted = 0.0
+
+    def transfer(self, h: object) -> str:
+        self.posted = sio.time.monotonic()
+        return "PROC"
+
+    def check_xfer_state(self, h: object) -> str:
+        self.checks += 1
+        return "DONE" if sio.time.monotonic() - self.posted >= self.after else "PROC"
+
+
+def test_wait_sleeps_until_the_expected_completion_then_polls_sparsely() -> None:
+    ag = _SlowAgent(0.02)
+    sio._wait(ag, object(), None, expect_s=0.02)
+    assert sio.time.monotonic() - ag.posted >= 0.02
+    informed = ag.checks
+    blind = _SlowAgent(0.02)
+    sio._wait(blind, object(), None, expect_s=0.0)  # no estimate: polls from the start
+    assert informed <= 10 and blind.checks > 2 * informed  # 0.8 x expected, then every 0.5 ms
+
+
+def test_wait_reports_a_failed_transfer() -> None:
+    class Failing(_SlowAgent):
+        def check_xfer_state(self, h: object) -> str:
+            return "ERR"
+
+    with pytest.raises(OSError, match="ERR"):
+        sio._wait(Failing(0.0), object(), None, expect_s=0.001)
