@@ -36,12 +36,11 @@ class ReadPathMixin:
 
     #: how the store reads this tier (store_reads): a run is cut into pieces of at least
     #: ``read_piece_bytes`` (one NIXL transfer or preadv each), at most ``read_parallelism`` in
-    #: flight across all loads, first come first served (so a load's first chunks do not wait
-    #: behind its read-ahead). One 8 MiB transfer puts eight 1 MiB requests in the ring: the device
-    #: queue of 2 MiB pieces at a quarter of their CPU (7 against 12-18 ms of reading threads and
-    #: store loop per 63 MiB restore), which on a CPU engine is taken from the forward.
-    read_parallelism = 8
-    read_piece_bytes = 8 << 20
+    #: flight across all loads (2 MiB x 16 = the raw bench's 8 MiB x 4 in flight; small pieces
+    #: keep a load's first chunks from waiting behind its read-ahead). 8 MiB pieces cost a third
+    #: less CPU but made an 8k restore in the engine 10-18 ms slower (`dtkv bench restore`, A/B).
+    read_parallelism = 16
+    read_piece_bytes = 2 << 20
 
     _lock: threading.Lock
     _index: CompactIndex
