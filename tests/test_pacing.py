@@ -197,3 +197,24 @@ def test_a_limiting_pacer_reads_only_the_next_chunk_ahead(limiting: bool, monkey
         else:
             assert ssd.max_in_flight >= 3  # the store's usual read-ahead
     pool.close()
+
+
+@pytest.mark.parametrize("limiting", [True, False])
+def test_a_limiting_pacer_reads_in_the_tiers_frugal_pieces(limiting: bool) -> None:
+    from tests.test_store_pipeline import PieceTier
+
+    ssd = PieceTier("ssd", 64 * REC)
+    ssd.read_piece_bytes = REC  # type: ignore[attr-defined]
+    ssd.frugal_piece_bytes = 4 * REC  # type: ignore[attr-defined]
+    store, pool, src, keys = stored(ssd, 24, 8, load_chunk_bytes=8 * REC, load_first_chunk_bytes=8 * REC)
+    with store:
+        ssd.calls.clear()
+        dst = make_layout(64)
+        res = store.load(dst, list(range(30, 54)), keys, timeout=10, pacer=RecordingPacer(limiting))
+        assert res.loaded_block_ids == list(range(30, 54))
+        for s, d in zip(range(1, 25), range(30, 54), strict=True):
+            assert block_bytes(src, s) == block_bytes(dst, d)
+        assert sum(ssd.calls) == 24
+        # chunks of 8 records: 2 pieces of 4 while limited, else the tier's 4-way parallel pieces of 2
+        assert sorted(set(ssd.calls)) == ([4] if limiting else [2])
+    pool.close()

@@ -38,9 +38,11 @@ class ReadPathMixin:
     #: ``read_piece_bytes`` (one NIXL transfer or preadv each), at most ``read_parallelism`` in
     #: flight across all loads (2 MiB x 16 = the raw bench's 8 MiB x 4 in flight; small pieces
     #: keep a load's first chunks from waiting behind its read-ahead). 8 MiB pieces cost a third
-    #: less CPU but made an 8k restore in the engine 10-18 ms slower (`dtkv bench restore`, A/B).
+    #: less CPU but made an 8k restore on an idle engine 10-18 ms slower (`dtkv bench restore`,
+    #: A/B), so they are used only while a pacer limits the load (a busy CPU engine pays the CPU).
     read_parallelism = 16
     read_piece_bytes = 2 << 20
+    frugal_piece_bytes = 8 << 20
 
     _lock: threading.Lock
     _index: CompactIndex
