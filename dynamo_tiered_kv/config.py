@@ -73,6 +73,9 @@ class TieredKVConfig(BaseSettings):
     )
     s3_part_bytes: int = Field(8 * MiB, ge=5 * MiB, description="multipart upload part size")
     s3_max_concurrency: int = Field(8, ge=1, le=256, description="parts in flight per upload")
+    s3_direct_reads: bool = Field(
+        True, description="ranged GETs received straight into staging memory (false: through aiobotocore)"
+    )
     flush_queue_segments: int = Field(16, ge=1, description="bounded flusher queue")
 
     # --- staging, admission, engine-facing -----------------------------------------------------

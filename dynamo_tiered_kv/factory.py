@@ -225,4 +225,5 @@ def _s3_tuning(config: TieredKVConfig) -> dict:
         "addressing_style": config.s3_addressing_style,
         "part_bytes": config.s3_part_bytes,
         "max_concurrency": config.s3_max_concurrency,
+        "direct_reads": config.s3_direct_reads,
     }

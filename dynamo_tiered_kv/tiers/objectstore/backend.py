@@ -60,6 +60,8 @@ class BackendStats:
     bytes_written: int = 0
     retries: int = 0
     failures: int = 0  # operations that failed after all retries
+    direct_gets: int = 0  # ranged GETs answered by the direct reader (S3)
+    direct_fallbacks: int = 0  # times the direct reader gave up for good (S3)
 
 
 class ObjectBackend(abc.ABC):

@@ -6,7 +6,10 @@
   ``If-None-Match: *`` (AWS, RGW and moto answer 412 when the object exists; a server that
   ignores the header on multipart completes is covered by a HEAD first, and by content-addressed
   names, so a lost race only costs a duplicate upload of identical bytes).
-* Reads: one ranged GET per call, streamed straight into the caller's buffers. Once the body
+* Reads: one ranged GET per call, received straight into the caller's buffers by
+  ``direct_get.DirectRangeReader`` (presigned by this client, on keep-alive connections of its
+  own: half the CPU of aiobotocore's body path); ``direct_reads=False``, or a server or
+  environment it cannot handle, reads through aiobotocore instead. Once the body
   flows, a gap longer than ``body_idle_timeout_s`` fails the attempt (and it is retried): a
   connection cut mid-body whose reset never reaches us would otherwise hold the read for the
   whole socket timeout, past the tier's read budget, instead of failing over in seconds.
@@ -42,6 +45,7 @@ from botocore.exceptions import (
 
 from ...errors import ConfigError
 from .backend import FileSource, ObjectBackend, ObjectInfo, Scatter, Source, source_len
+from .direct_get import DirectGetUnsupported, DirectRangeReader
 from .retry import CircuitBreaker, RetryPolicy, call_with_retries, with_timeout
 
 log = logging.getLogger(__name__)
@@ -103,6 +107,7 @@ class S3Backend(ObjectBackend):
         retry: retry policy (attempts, backoff, per-attempt timeout).
         breaker_threshold, breaker_cooldown_s: circuit breaker settings.
         create_bucket: create the bucket at ``open()`` if it does not exist (tests, benches).
+        direct_reads: ranged GETs through ``DirectRangeReader`` (else aiobotocore's body path).
     """
 
     def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
@@ -113,7 +118,7 @@ class S3Backend(ObjectBackend):
                  connect_timeout_s: float = 5.0, read_timeout_s: float = 30.0,
                  retry: RetryPolicy | None = None, breaker_threshold: int = 5,
                  breaker_cooldown_s: float = 5.0, create_bucket: bool = False,
-                 body_idle_timeout_s: float = DEFAULT_BODY_IDLE_TIMEOUT_S) -> None:
+                 body_idle_timeout_s: float = DEFAULT_BODY_IDLE_TIMEOUT_S, direct_reads: bool = True) -> None:
         super().__init__()
         if not bucket:
             raise ConfigError("S3Backend.bucket must be set")
@@ -148,6 +153,8 @@ class S3Backend(ObjectBackend):
         self.url = f"s3://{bucket}/{self.prefix}"
         self._client: Any = None
         self._client_cm: Any = None
+        self.direct_reads = direct_reads
+        self._direct: DirectRangeReader | None = None
         self._buffers: list[bytearray] = []  # at most 2 * max_concurrency part buffers
 
     def __repr__(self) -> str:  # never shows credentials
@@ -163,6 +170,7 @@ class S3Backend(ObjectBackend):
             session.set_config_variable("profile", self.profile)
         cfg = AioConfig(
             s3={"addressing_style": self.addressing_style},
+            signature_version="s3v4",  # presigned GETs too (botocore presigns SigV2 on custom endpoints)
             retries={"max_attempts": 1, "mode": "standard"},
             connect_timeout=self.connect_timeout_s,
             read_timeout=self.read_timeout_s,
@@ -175,10 +183,17 @@ class S3Backend(ObjectBackend):
             aws_access_key_id=self._access_key, aws_secret_access_key=self._secret_key,
             aws_session_token=self._session_token, verify=self.verify_tls, config=cfg)
         self._client = await self._client_cm.__aenter__()
+        if self.direct_reads:
+            self._direct = DirectRangeReader(self._client, self.bucket, connect_timeout_s=self.connect_timeout_s,
+                                             read_timeout_s=self.read_timeout_s,
+                                             body_idle_timeout_s=self.body_idle_timeout_s, verify_tls=self.verify_tls)
         if self.create_bucket:
             await self._ensure_bucket()
 
     async def close(self) -> None:
+        direct, self._direct = self._direct, None
+        if direct is not None:
+            await direct.close()
         cm, self._client_cm, self._client = self._client_cm, None, None
         if cm is not None:
             await cm.__aexit__(None, None, None)
@@ -344,6 +359,17 @@ class S3Backend(ObjectBackend):
             return 0 if await self.head(name) is not None else None
 
         async def attempt() -> int | None:
+            direct = self._direct
+            if direct is not None:
+                try:
+                    got = await direct.get_range(key, offset, dests)
+                    self.stats.direct_gets += 1
+                    return got
+                except DirectGetUnsupported as e:
+                    self._direct = None
+                    self.stats.direct_fallbacks += 1
+                    log.warning("%s: ranged GETs go through aiobotocore from now on: %s", self.url, e)
+                    await direct.close()
             try:
                 resp = await self._client.get_object(Bucket=self.bucket, Key=key,
                                                      Range=f"bytes={offset}-{offset + total - 1}")
