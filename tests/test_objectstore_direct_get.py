@@ -167,7 +167,8 @@ async def test_fragmented_responses_and_keep_alive() -> None:
 
 
 async def test_error_documents_become_client_errors() -> None:
-    codes = {1: (503, "SlowDown"), 2: (404, "NoSuchKey"), 3: (416, "InvalidRange"), 4: (403, "AccessDenied")}
+    codes = {1: (503, "SlowDown"), 2: (404, "NoSuchKey"), 3: (416, "InvalidRange"), 4: (403, "AccessDenied"),
+             5: (403, "AccessDenied")}
 
     async def reply(head: bytes, n: int):
         if n in codes:
@@ -182,13 +183,30 @@ async def test_error_documents_become_client_errors() -> None:
         assert e.value.response["Error"]["Code"] == "SlowDown" and is_transient(e.value)
         assert await rd.get_range("k", 0, _views([100])[1]) is None  # 404
         assert await rd.get_range("k", 0, _views([100])[1]) is None  # 416
-        with pytest.raises(ClientError) as e:
+        with pytest.raises(ClientError) as e:  # 403 on the cached URL, signed again, 403 again
             await rd.get_range("k", 0, _views([100])[1])
         assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 403 and not is_transient(e.value)
+        assert rd._client.calls == 2
         bufs, views = _views([100])
         assert await rd.get_range("k", 50, views) == 100 and bytes(bufs[0]) == DATA[50:150]
-        assert rd._client.calls == 2  # signed again after the 403
+        assert rd._client.calls == 3  # the cache was dropped after the 403
         assert srv.connections == 1  # error documents were read whole: the connection stayed usable
+        await rd.close()
+
+
+async def test_an_expired_signature_is_renewed_once_within_the_read() -> None:
+    async def reply(head: bytes, n: int):
+        if b"X-Amz-Signature=s1" in head and n > 1:  # the token behind the cached URL expired
+            yield _error(400, "ExpiredToken")
+        else:
+            yield _partial(head)
+
+    async with Scripted(reply) as srv:
+        rd = _reader(srv.port)
+        for off in (0, 100):
+            bufs, views = _views([100])
+            assert await rd.get_range("k", off, views) == 100 and bytes(bufs[0]) == DATA[off:off + 100]
+        assert rd._client.calls == 2 and len(srv.requests) == 3
         await rd.close()
 
 
@@ -205,6 +223,56 @@ async def test_a_keep_alive_connection_the_server_closed_is_redialed_at_once() -
             bufs, views = _views([64])
             assert await rd.get_range("k", off, views) == 64 and bytes(bufs[0]) == DATA[off:off + 64]
         assert srv.connections == 2 and len(srv.requests) == 3
+        await rd.close()
+
+
+async def test_ranges_past_the_end_and_empty_views() -> None:
+    async def reply(head: bytes, n: int):
+        a, b = _range(head)
+        b = min(b, 999)  # a 1000-byte object
+        yield (f"HTTP/1.1 206 P\r\nContent-Length: {b - a + 1}\r\nContent-Range: bytes {a}-{b}/1000\r\n\r\n"
+               ).encode() + DATA[a:b + 1]
+
+    async with Scripted(reply) as srv:
+        rd = _reader(srv.port)
+        assert await rd.get_range("k", 900, _views([200])[1]) is None  # a miss, at once
+        bufs, views = _views([0, 10, 0, 5, 0])
+        assert await rd.get_range("k", 20, views) == 15 and b"".join(bufs) == DATA[20:35]
+        await rd.close()
+
+
+async def test_stale_pooled_connections_are_not_reused(monkeypatch) -> None:
+    async def reply(head: bytes, n: int):
+        yield _partial(head)
+
+    monkeypatch.setattr(dg, "IDLE_MAX_S", 0.0)
+    async with Scripted(reply) as srv:
+        rd = _reader(srv.port)
+        for off in (0, 10):
+            assert await rd.get_range("k", off, _views([64])[1]) == 64
+        assert srv.connections == 2
+        await rd.close()
+
+
+async def test_a_cancelled_read_stops_writing_into_its_buffers() -> None:
+    async def reply(head: bytes, n: int):
+        raw = _partial(head)
+        yield raw[:3000]
+        yield 0.3
+        yield raw[3000:]
+
+    async with Scripted(reply) as srv:
+        rd = _reader(srv.port)
+        bufs, views = _views([20000])
+        task = asyncio.ensure_future(rd.get_range("k", 0, views))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        snapshot = bytes(bufs[0])
+        await asyncio.sleep(0.5)  # the rest of the body was sent meanwhile
+        assert bytes(bufs[0]) == snapshot and snapshot[-1000:] == bytes(1000)
+        assert await rd.get_range("k", 5, _views([10])[1]) == 10  # on a new connection
         await rd.close()
 
 
@@ -237,6 +305,7 @@ async def test_cut_and_stalled_bodies_fail_fast_and_never_look_complete() -> Non
     b"HTTP/1.1 206 P\r\nContent-Length: 100\r\nContent-Range: bytes 0-99/1048576\r\n\r\n",  # another range
     b"HTTP/1.1 206 P\r\n\r\n",  # no framing
     b"ICY 200 OK\r\n\r\n",
+    b"HTTP/1.1 103 Early Hints\r\nContent-Length: 0\r\n\r\n",
 ])
 async def test_what_this_reader_does_not_speak_is_unsupported(response: bytes) -> None:
     async def reply(head: bytes, n: int):
@@ -247,6 +316,28 @@ async def test_what_this_reader_does_not_speak_is_unsupported(response: bytes) -
         with pytest.raises(dg.DirectGetUnsupported):
             await rd.get_range("k", 7, _views([100])[1])
         await rd.close()
+
+
+async def test_a_gateways_unframed_error_page_is_an_error_not_a_fallback() -> None:
+    async def reply(head: bytes, n: int):
+        yield b"HTTP/1.1 502 Bad Gateway\r\nTransfer-Encoding: chunked\r\n\r\n5\r\noops!\r\n0\r\n\r\n"
+
+    async with Scripted(reply) as srv:
+        rd = _reader(srv.port)
+        with pytest.raises(ClientError) as e:
+            await rd.get_range("k", 0, _views([100])[1])
+        assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 502 and is_transient(e.value)
+        await rd.close()
+
+
+def test_host_header_matches_what_botocore_signs() -> None:
+    from urllib.parse import urlsplit
+
+    from botocore.auth import _host_from_url
+
+    for url in ("http://h:80/b", "https://h:443/b", "http://H.example:7480/b", "https://[::1]:8443/b",
+                "https://bucket.s3.amazonaws.com/k"):
+        assert dg._host(urlsplit(url)) == _host_from_url(url), url
 
 
 async def test_a_proxy_in_the_environment_is_left_to_aiobotocore(monkeypatch) -> None:

@@ -30,6 +30,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from botocore.exceptions import ClientError
+from botocore.httpsession import get_cert_path
+
+from .retry import with_timeout
 
 HEAD_MAX = 64 << 10  # longest status line + headers accepted
 ERROR_BODY_MAX = 64 << 10  # longest error document read (longer: the connection is dropped)
@@ -37,6 +40,8 @@ PRESIGN_TTL_S = 3600
 PRESIGN_REUSE_S = 3000  # a cached URL is reused for this long, well inside its expiry
 PRESIGN_CACHE = 4096  # objects whose URL is kept
 IDLE_PER_HOST = 64  # keep-alive connections kept per host
+IDLE_MAX_S = 10.0  # a pooled connection idle longer is closed (NATs and balancers drop them silently)
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)$")
 _CODE = re.compile(rb"<Code>([^<]*)</Code>")
 _MESSAGE = re.compile(rb"<Message>([^<]*)</Message>")
 
@@ -63,7 +68,8 @@ class _Response(asyncio.BufferedProtocol):
 
     # --- per request --------------------------------------------------------------------------
     def _begin(self, dests: Sequence[memoryview], total: int = 0, offset: int = 0) -> None:
-        self._dests = [d.cast("B") if d.format != "B" or d.ndim != 1 else d for d in dests]
+        # zero-length views dropped: get_buffer must never hand the transport an empty buffer
+        self._dests = [d.cast("B") if d.format != "B" or d.ndim != 1 else d for d in dests if d.nbytes]
         self._total, self._offset = total, offset
         self._i = self._pos = self.got = 0
         self._head = bytearray()
@@ -71,6 +77,7 @@ class _Response(asyncio.BufferedProtocol):
         self.headers: dict[str, str] = {}
         self.error_body = bytearray()
         self.keep_alive = True
+        self.short = False  # the object ends inside the range: a miss
         self.progress = 0  # bytes received
         self.last_io = time.monotonic()  # when the last of them arrived (the idle timeout)
         self._phase = "idle"  # head -> body | error | short -> done
@@ -79,6 +86,8 @@ class _Response(asyncio.BufferedProtocol):
         self._begin(dests, total, offset)
         self._phase = "head"
         self.done = asyncio.get_running_loop().create_future()
+        if self.closed:  # the peer closed it before the request went out
+            self._fail(ConnectionResetError("connection closed before the request"))
         return self.done
 
     # --- protocol -----------------------------------------------------------------------------
@@ -87,11 +96,10 @@ class _Response(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self._phase == "short":  # we stopped reading a body we do not want
-            self._finish()
-        else:
-            self._fail(ConnectionResetError(f"connection closed after {self.progress} bytes of the response")
-                       if exc is None else exc)
+        if exc is None or not isinstance(exc, ConnectionError):  # OSError, SSLError: transient too
+            exc = ConnectionResetError(f"connection lost after {self.progress} bytes of the response"
+                                       + (f": {exc}" if exc is not None else ""))
+        self._fail(exc)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._phase == "body":
@@ -105,7 +113,7 @@ class _Response(asyncio.BufferedProtocol):
             self._advance(nbytes)
         elif self._phase in ("head", "error"):
             self._feed(memoryview(self._scratch)[:nbytes])
-        elif self._phase != "short":  # bytes nobody asked for: the connection is out of step
+        else:  # bytes nobody asked for: the connection is out of step
             self.keep_alive = False
             self._close()
 
@@ -127,7 +135,10 @@ class _Response(asyncio.BufferedProtocol):
             self._parse_head(bytes(self._head[:end]))
             length = self._framing()
         except DirectGetUnsupported as e:
-            self._fail(e)
+            if self.status >= 400:  # a gateway's odd error page: an error, not a reason to give up
+                self._fail(_client_error(self.status, b""))
+            else:
+                self._fail(e)
             return
         rest = memoryview(self._head)[end + 4:]
         if 200 <= self.status < 300:
@@ -152,6 +163,8 @@ class _Response(asyncio.BufferedProtocol):
         parts = lines[0].split(None, 2)
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
             raise DirectGetUnsupported(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+        if int(parts[1]) < 200:
+            raise DirectGetUnsupported(f"interim response HTTP {int(parts[1])}")
         self.status = int(parts[1])
         for line in lines[1:]:
             name, sep, value = line.partition(b":")
@@ -174,7 +187,7 @@ class _Response(asyncio.BufferedProtocol):
         """Whether the body is the asked range; if not, the request is settled (or failed) here."""
         last = self._offset + self._total - 1
         if self.status == 206:
-            m = re.match(r"bytes (\d+)-(\d+)/", self.headers.get("content-range", ""))
+            m = _CONTENT_RANGE.match(self.headers.get("content-range", ""))
             if m is None or int(m.group(1)) != self._offset:
                 self._fail(DirectGetUnsupported(f"Content-Range {self.headers.get('content-range')!r} "
                                                 f"for bytes {self._offset}-{last}"))
@@ -183,8 +196,11 @@ class _Response(asyncio.BufferedProtocol):
                 self._short()
                 return False
             return True
-        if self.status == 200 and self._offset == 0 and length == self._total:
-            return True  # a range over the whole object, sent whole
+        if self.status == 200 and self._offset == 0 and length <= self._total:
+            if length == self._total:
+                return True  # a range over the whole object, sent whole
+            self._short()  # the whole object, shorter than the range
+            return False
         self._fail(DirectGetUnsupported(f"HTTP {self.status} with {length} bytes for range "
                                         f"{self._offset}-{last} (range ignored?)"))
         return False
@@ -220,17 +236,14 @@ class _Response(asyncio.BufferedProtocol):
 
     # --- settling -------------------------------------------------------------------------------
     def _short(self) -> None:
-        """A body we do not read: drop the connection and settle once it is closed."""
-        self._phase = "short"
+        """A body we do not read: the object ends inside the range (a miss); drop the connection."""
+        self.short = True
         self.keep_alive = False
-        self.got = -1
+        self._finish()
         self._close()
-        if self.closed:
-            self._finish()
 
     def _finish(self) -> None:
-        if self._phase != "short":
-            self._phase = "done"
+        self._phase = "done"
         if self.done is not None and not self.done.done():
             self.done.set_result(None)
 
@@ -242,8 +255,14 @@ class _Response(asyncio.BufferedProtocol):
         self._close()
 
     def _close(self) -> None:
+        """Stop at once: no byte more reaches the destination views (abort: no TLS shutdown wait)."""
+        self.keep_alive = False
+        self._phase = "done"
+        self._dests = []
+        if self.done is not None and not self.done.done():
+            self.done.cancel()  # its waiter has gone: nothing to report to
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+            self.transport.abort()
 
 
 class DirectRangeReader:
@@ -268,12 +287,14 @@ class DirectRangeReader:
         self._verify_tls = verify_tls
         self._ssl: ssl.SSLContext | None = None
         self._urls: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        self._idle: dict[tuple[str, int, bool], list[_Response]] = {}
+        self._idle: dict[tuple[str, int, bool], list[tuple[_Response, float]]] = {}
+        self._closed = False
         self.connections = 0  # connections it opened
 
     async def close(self) -> None:
+        self._closed = True  # reads still in flight close their connections when they end
         for conns in self._idle.values():
-            for c in conns:
+            for c, _ in conns:
                 c._close()
         self._idle.clear()
 
@@ -282,41 +303,47 @@ class DirectRangeReader:
         object is missing or shorter. Raises ``ClientError`` for S3 errors, ``ConnectionError``
         or ``TimeoutError`` for transport faults, ``DirectGetUnsupported`` as said above."""
         total = sum(d.nbytes for d in dests)
-        url = await self._presigned(key)
-        parts = urllib.parse.urlsplit(url)
-        for attempt in range(2):
-            conn = await self._connection(parts)
+        resigned = redialed = False
+        while True:
+            url, cached = await self._presigned(key)
+            parts = urllib.parse.urlsplit(url)
+            conn = await self._connection(parts, fresh=redialed)
             try:
-                status = await self._exchange(conn, parts, offset, total, dests)
+                await self._exchange(conn, parts, offset, total, dests)
             except BodyStalled:
                 conn._close()
                 raise
             except ConnectionError:
-                # a keep-alive connection the server had already closed: once more on a new one
                 conn._close()
-                if conn.reused and conn.progress == 0 and attempt == 0:
+                if conn.reused and conn.progress == 0 and not redialed:
+                    redialed = True  # a keep-alive connection the server had closed: once more, new
                     continue
                 raise
             except BaseException:
                 conn._close()
                 raise
             self._release(parts, conn)
-            if status in (404, 416) or conn.got < 0:
+            status = conn.status
+            if status in (404, 416) or conn.short:
                 return None
+            if status in (400, 403):  # signed with credentials that expired or rotated since
+                self._urls.clear()
+                if cached and not resigned:
+                    resigned = True
+                    continue
             if status >= 300:
-                if status == 403:
-                    self._urls.pop(key, None)  # signed with credentials since rotated: sign again
                 raise _client_error(status, bytes(conn.error_body))
+            if conn.got != total:  # pragma: no cover - the protocol settles a 2xx only when complete
+                raise ConnectionResetError(f"body ended at {conn.got} of {total} bytes")
             return total
-        raise AssertionError("unreachable")  # pragma: no cover
 
     async def _exchange(self, conn: _Response, parts: urllib.parse.SplitResult, offset: int, total: int,
-                        dests: Sequence[memoryview]) -> int:
+                        dests: Sequence[memoryview]) -> None:
         done = conn.start(dests, total, offset)
         target = parts.path + ("?" + parts.query if parts.query else "")
         assert conn.transport is not None
         conn.transport.write(
-            f"GET {target} HTTP/1.1\r\nHost: {parts.netloc}\r\nRange: bytes={offset}-{offset + total - 1}\r\n"
+            f"GET {target} HTTP/1.1\r\nHost: {_host(parts)}\r\nRange: bytes={offset}-{offset + total - 1}\r\n"
             f"Accept-Encoding: identity\r\nUser-Agent: dynamo-tiered-kv\r\n\r\n".encode("latin-1"))
         sent = time.monotonic()
         while True:
@@ -328,61 +355,69 @@ class DirectRangeReader:
                 await asyncio.wait((done,), timeout=min(left, self.body_idle_timeout_s))
             if done.done():
                 done.result()  # raises what the protocol failed with
-                return conn.status
+                return
             if left <= 0:
                 what = f"{self.body_idle_timeout_s}s of the body" if headers else f"{self.read_timeout_s}s"
                 raise BodyStalled(f"no response bytes for {what} ({conn.got} of {total} body bytes)")
 
     # --- connections ------------------------------------------------------------------------------
-    async def _connection(self, parts: urllib.parse.SplitResult) -> _Response:
+    async def _connection(self, parts: urllib.parse.SplitResult, fresh: bool = False) -> _Response:
         tls = parts.scheme == "https"
         host = parts.hostname or ""
         port = parts.port or (443 if tls else 80)
         idle = self._idle.get((host, port, tls), [])
-        while idle:
-            c = idle.pop()
-            if not c.closed and c.transport is not None and not c.transport.is_closing():
+        now = time.monotonic()
+        while idle and not fresh:
+            c, since = idle.pop()
+            if now - since < IDLE_MAX_S and not c.closed and c.transport is not None and not c.transport.is_closing():
                 c.reused = True
                 return c
+            c._close()
         loop = asyncio.get_running_loop()
-        _, conn = await asyncio.wait_for(
-            loop.create_connection(_Response, host, port, ssl=self._context() if tls else None,
-                                   server_hostname=host if tls else None),
-            self.connect_timeout_s)
+        try:
+            _, conn = await with_timeout(
+                loop.create_connection(_Response, host, port, ssl=self._context() if tls else None,
+                                       server_hostname=host if tls else None),
+                self.connect_timeout_s)
+        except ssl.SSLCertVerificationError as e:
+            raise DirectGetUnsupported(f"TLS certificate of {host}: {e}") from e
+        except ConnectionError:
+            raise
+        except OSError as e:  # DNS, unreachable, TLS: transient, as botocore's EndpointConnectionError
+            raise ConnectionError(f"connect to {host}:{port}: {e}") from e
         self.connections += 1
         return conn
 
     def _release(self, parts: urllib.parse.SplitResult, conn: _Response) -> None:
-        if not conn.keep_alive or conn.closed:
+        if not conn.keep_alive or conn.closed or self._closed:
             conn._close()
             return
         tls = parts.scheme == "https"
         pool = self._idle.setdefault((parts.hostname or "", parts.port or (443 if tls else 80), tls), [])
         if len(pool) < IDLE_PER_HOST:
-            pool.append(conn)
+            pool.append((conn, time.monotonic()))
         else:
             conn._close()
 
     def _context(self) -> ssl.SSLContext:
         if self._ssl is None:
+            ctx = ssl.create_default_context()
             if self._verify_tls is False:
-                ctx = ssl.create_default_context()
                 ctx.check_hostname = False
                 ctx.verify_mode = ssl.CERT_NONE
-            elif isinstance(self._verify_tls, str):
-                ctx = ssl.create_default_context(cafile=self._verify_tls)
-            else:
-                ctx = ssl.create_default_context()
+            else:  # the CA bundle botocore verifies against (certifi's, or the given path)
+                ctx.load_verify_locations(cafile=get_cert_path(self._verify_tls))
             self._ssl = ctx
         return self._ssl
 
     # --- signing ----------------------------------------------------------------------------------
-    async def _presigned(self, key: str) -> str:
+    async def _presigned(self, key: str) -> tuple[str, bool]:
+        """(URL, whether it came from the cache)."""
         now = time.monotonic()
         hit = self._urls.get(key)
         if hit is not None and now - hit[1] < PRESIGN_REUSE_S:
             self._urls.move_to_end(key)
-            return hit[0]
+            return hit[0], True
         url = await self._client.generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=PRESIGN_TTL_S)
         parts = urllib.parse.urlsplit(url)
@@ -393,7 +428,7 @@ class DirectRangeReader:
         self._urls[key] = (url, now)
         if len(self._urls) > PRESIGN_CACHE:
             self._urls.popitem(last=False)
-        return url
+        return url, False
 
 
 def _proxied(parts: urllib.parse.SplitResult) -> bool:
@@ -402,10 +437,20 @@ def _proxied(parts: urllib.parse.SplitResult) -> bool:
         parts.hostname or "")
 
 
+def _host(parts: urllib.parse.SplitResult) -> str:
+    """The Host header botocore signed (``auth._host_from_url``): no default port."""
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    if parts.port is not None and parts.port != {"http": 80, "https": 443}.get(parts.scheme):
+        host = f"{host}:{parts.port}"
+    return host
+
+
 def _client_error(status: int, body: bytes) -> ClientError:
     """The ``ClientError`` botocore raises for this S3 error response."""
     code = _CODE.search(body)
     msg = _MESSAGE.search(body)
-    return ClientError({"Error": {"Code": code.group(1).decode() if code else str(status),
-                                  "Message": msg.group(1).decode() if msg else ""},
+    return ClientError({"Error": {"Code": code.group(1).decode(errors="replace") if code else str(status),
+                                  "Message": msg.group(1).decode(errors="replace") if msg else ""},
                         "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
