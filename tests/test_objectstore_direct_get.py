@@ -142,6 +142,13 @@ def _error(status: int, code: str) -> bytes:
     return f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
 
 
+async def _read_each(rd: dg.DirectRangeReader, offsets: tuple[int, ...], n: int) -> None:
+    """Each ``[off, off + n)`` read whole and equal to the object's bytes."""
+    for off in offsets:
+        bufs, views = _views([n])
+        assert await rd.get_range("k", off, views) == n and bytes(bufs[0]) == DATA[off:off + n]
+
+
 def _reader(port: int, **kw: float) -> dg.DirectRangeReader:
     opts = {"connect_timeout_s": 2.0, "read_timeout_s": 5.0, "body_idle_timeout_s": 0.3, **kw}
     return dg.DirectRangeReader(Presigner(port), "bkt", **opts)
@@ -203,9 +210,7 @@ async def test_an_expired_signature_is_renewed_once_within_the_read() -> None:
 
     async with Scripted(reply) as srv:
         rd = _reader(srv.port)
-        for off in (0, 100):
-            bufs, views = _views([100])
-            assert await rd.get_range("k", off, views) == 100 and bytes(bufs[0]) == DATA[off:off + 100]
+        await _read_each(rd, (0, 100), 100)
         assert rd._client.calls == 2 and len(srv.requests) == 3
         await rd.close()
 
@@ -219,9 +224,7 @@ async def test_a_keep_alive_connection_the_server_closed_is_redialed_at_once() -
 
     async with Scripted(reply) as srv:
         rd = _reader(srv.port)
-        for off in (0, 10):
-            bufs, views = _views([64])
-            assert await rd.get_range("k", off, views) == 64 and bytes(bufs[0]) == DATA[off:off + 64]
+        await _read_each(rd, (0, 10), 64)
         assert srv.connections == 2 and len(srv.requests) == 3
         await rd.close()
 
@@ -248,8 +251,7 @@ async def test_stale_pooled_connections_are_not_reused(monkeypatch) -> None:
     monkeypatch.setattr(dg, "IDLE_MAX_S", 0.0)
     async with Scripted(reply) as srv:
         rd = _reader(srv.port)
-        for off in (0, 10):
-            assert await rd.get_range("k", off, _views([64])[1]) == 64
+        await _read_each(rd, (0, 10), 64)
         assert srv.connections == 2
         await rd.close()
 
