@@ -6,8 +6,8 @@ cost 0.7-0.8 ms of CPU per MiB here (48 ms per 64 MiB from Ceph RGW on loopback)
 store's loop: a CPU engine's forward pays it, and a GPU host pays it per GB/s it restores. This
 reader sends the same GET, presigned by the backend's own botocore client (credentials, session
 tokens, endpoint, region and addressing style are the client's), over keep-alive connections of
-its own whose ``asyncio.BufferedProtocol`` hands the socket the destination buffers: 24 ms per
-64 MiB, most of it the kernel's copy.
+its own whose ``asyncio.BufferedProtocol`` hands the socket the destination buffers: 17-21 ms
+per 64 MiB, most of it the kernel's copy.
 
 Only plain HTTP/1.1 framing is handled: a status line, headers, a body of ``Content-Length``
 bytes. A ``206`` must carry the asked ``Content-Range``; an S3 error status becomes the

@@ -8,7 +8,7 @@
   names, so a lost race only costs a duplicate upload of identical bytes).
 * Reads: one ranged GET per call, received straight into the caller's buffers by
   ``direct_get.DirectRangeReader`` (presigned by this client, on keep-alive connections of its
-  own: half the CPU of aiobotocore's body path); ``direct_reads=False``, or a server or
+  own: 40% of the CPU of aiobotocore's body path); ``direct_reads=False``, or a server or
   environment it cannot handle, reads through aiobotocore instead. Once the body
   flows, a gap longer than ``body_idle_timeout_s`` fails the attempt (and it is retried): a
   connection cut mid-body whose reset never reaches us would otherwise hold the read for the
