@@ -134,3 +134,29 @@ def test_wait_reports_a_failed_transfer() -> None:
 
     with pytest.raises(OSError, match="ERR"):
         sio._wait(Failing(0.0), object(), None, expect_s=0.001)
+
+
+def test_nixl_writes_use_larger_requests_than_reads(tmp_path: Path, monkeypatch) -> None:
+    io = _nixl_or_skip(tmp_path)
+    monkeypatch.setattr(sio, "NIXL_DESC_BYTES", 64 << 10)
+    monkeypatch.setattr(sio, "NIXL_WRITE_DESC_BYTES", 256 << 10)
+    sizes: dict[str, list[int]] = {"WRITE": [], "READ": []}
+    real = io._ag.initialize_xfer
+
+    def spy(op, local, remote, *a):
+        sizes[op].append(local.descCount())
+        return real(op, local, remote, *a)
+
+    monkeypatch.setattr(io._ag, "initialize_xfer", spy)
+    size = 1 << 20
+    src = aligned_buffer(size)
+    src[:] = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
+    fd = io.open(tmp_path / "seg", create=True)
+    try:
+        io.write(fd, [src], 0)
+        dst = aligned_buffer(size)
+        io.read(fd, [dst], 0)
+        assert np.array_equal(dst, src) and io.fallbacks == 0
+        assert sizes == {"WRITE": [4], "READ": [16]}
+    finally:
+        io.close_fd(fd)

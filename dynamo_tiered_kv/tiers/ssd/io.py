@@ -36,7 +36,10 @@ from . import metrics
 log = logging.getLogger(__name__)
 IOV_MAX = 1024
 NIXL_TIMEOUT_S = 60.0
-NIXL_DESC_BYTES = 1 << 20  # descriptor size within one NIXL transfer (requests in the ring at once)
+NIXL_DESC_BYTES = 1 << 20  # read descriptor size within one NIXL transfer (requests in the ring at once)
+# Writes in larger requests: with 1 MiB ones a 32 MiB batch wrote at 0.68-0.71 of raw pwritev on
+# this VM's virtio disk, with 4 MiB at 0.92 (`dtkv bench ssd --io nixl`); reads were no different.
+NIXL_WRITE_DESC_BYTES = 4 << 20
 WAIT_FIRST_GBPS = 2.0  # device rate assumed until transfers have measured it
 POLL_MAX_S = 5e-4  # completion checks after the expected time: at least this often
 
@@ -168,12 +171,14 @@ class NixlIO(PosixIO):
         os.close(fd)
 
     def _xfer(self, op: str, fd: int, bufs: Sequence[np.ndarray], offset: int) -> None:
-        # One descriptor per NIXL_DESC_BYTES: one transfer puts several requests in the ring.
+        # One descriptor per NIXL_DESC_BYTES (writes: NIXL_WRITE_DESC_BYTES): one transfer puts
+        # several requests in the ring.
+        step = NIXL_WRITE_DESC_BYTES if op == "WRITE" else NIXL_DESC_BYTES
         mem, files = [], []
         total = 0
         for addr, n in _merge_contiguous(bufs):
-            for a in range(0, n, NIXL_DESC_BYTES):
-                m = min(NIXL_DESC_BYTES, n - a)
+            for a in range(0, n, step):
+                m = min(step, n - a)
                 mem.append((addr + a, m, 0))
                 files.append((offset, m, fd))
                 offset += m
