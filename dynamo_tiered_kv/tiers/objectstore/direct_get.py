@@ -114,7 +114,6 @@ class _Response(asyncio.BufferedProtocol):
         elif self._phase in ("head", "error"):
             self._feed(memoryview(self._scratch)[:nbytes])
         else:  # bytes nobody asked for: the connection is out of step
-            self.keep_alive = False
             self._close()
 
     def eof_received(self) -> bool:
@@ -238,7 +237,6 @@ class _Response(asyncio.BufferedProtocol):
     def _short(self) -> None:
         """A body we do not read: the object ends inside the range (a miss); drop the connection."""
         self.short = True
-        self.keep_alive = False
         self._finish()
         self._close()
 
@@ -248,8 +246,6 @@ class _Response(asyncio.BufferedProtocol):
             self.done.set_result(None)
 
     def _fail(self, e: BaseException) -> None:
-        self._phase = "done"
-        self.keep_alive = False
         if self.done is not None and not self.done.done():
             self.done.set_exception(e)
         self._close()
@@ -286,7 +282,7 @@ class DirectRangeReader:
         self.body_idle_timeout_s = body_idle_timeout_s
         self._verify_tls = verify_tls
         self._ssl: ssl.SSLContext | None = None
-        self._urls: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._urls: OrderedDict[str, tuple[urllib.parse.SplitResult, float]] = OrderedDict()
         self._idle: dict[tuple[str, int, bool], list[tuple[_Response, float]]] = {}
         self._closed = False
         self.connections = 0  # connections it opened
@@ -305,22 +301,16 @@ class DirectRangeReader:
         total = sum(d.nbytes for d in dests)
         resigned = redialed = False
         while True:
-            url, cached = await self._presigned(key)
-            parts = urllib.parse.urlsplit(url)
+            parts, cached = await self._presigned(key)
             conn = await self._connection(parts, fresh=redialed)
             try:
                 await self._exchange(conn, parts, offset, total, dests)
-            except BodyStalled:
+            except BaseException as e:
                 conn._close()
-                raise
-            except ConnectionError:
-                conn._close()
-                if conn.reused and conn.progress == 0 and not redialed:
+                if (isinstance(e, ConnectionError) and not isinstance(e, BodyStalled) and conn.reused
+                        and conn.progress == 0 and not redialed):
                     redialed = True  # a keep-alive connection the server had closed: once more, new
                     continue
-                raise
-            except BaseException:
-                conn._close()
                 raise
             self._release(parts, conn)
             status = conn.status
@@ -362,10 +352,8 @@ class DirectRangeReader:
 
     # --- connections ------------------------------------------------------------------------------
     async def _connection(self, parts: urllib.parse.SplitResult, fresh: bool = False) -> _Response:
-        tls = parts.scheme == "https"
-        host = parts.hostname or ""
-        port = parts.port or (443 if tls else 80)
-        idle = self._idle.get((host, port, tls), [])
+        host, port, tls = key = _endpoint(parts)
+        idle = self._idle.get(key, [])
         now = time.monotonic()
         while idle and not fresh:
             c, since = idle.pop()
@@ -392,8 +380,7 @@ class DirectRangeReader:
         if not conn.keep_alive or conn.closed or self._closed:
             conn._close()
             return
-        tls = parts.scheme == "https"
-        pool = self._idle.setdefault((parts.hostname or "", parts.port or (443 if tls else 80), tls), [])
+        pool = self._idle.setdefault(_endpoint(parts), [])
         if len(pool) < IDLE_PER_HOST:
             pool.append((conn, time.monotonic()))
         else:
@@ -411,8 +398,8 @@ class DirectRangeReader:
         return self._ssl
 
     # --- signing ----------------------------------------------------------------------------------
-    async def _presigned(self, key: str) -> tuple[str, bool]:
-        """(URL, whether it came from the cache)."""
+    async def _presigned(self, key: str) -> tuple[urllib.parse.SplitResult, bool]:
+        """(parsed URL, whether it came from the cache)."""
         now = time.monotonic()
         hit = self._urls.get(key)
         if hit is not None and now - hit[1] < PRESIGN_REUSE_S:
@@ -425,10 +412,16 @@ class DirectRangeReader:
             raise DirectGetUnsupported(f"presigned URL scheme {parts.scheme!r}")
         if _proxied(parts):
             raise DirectGetUnsupported(f"a proxy is configured for {parts.hostname}")
-        self._urls[key] = (url, now)
+        self._urls[key] = (parts, now)
         if len(self._urls) > PRESIGN_CACHE:
             self._urls.popitem(last=False)
-        return url, False
+        return parts, False
+
+
+def _endpoint(parts: urllib.parse.SplitResult) -> tuple[str, int, bool]:
+    """(host, port, TLS): what a connection is pooled by."""
+    tls = parts.scheme == "https"
+    return parts.hostname or "", parts.port or (443 if tls else 80), tls
 
 
 def _proxied(parts: urllib.parse.SplitResult) -> bool:
