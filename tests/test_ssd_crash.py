@@ -22,7 +22,7 @@ import pytest
 
 from dynamo_tiered_kv.codec import verify_record
 from dynamo_tiered_kv.tiers.ssd import SSDTier
-from dynamo_tiered_kv.tiers.ssd.torture import KEY_SPACE, key_of, record_of, replay_journal, writer_main
+from dynamo_tiered_kv.testing.ssd_torture import KEY_SPACE, key_of, record_of, replay_journal, writer_main
 
 CHAINS = 8
 GENERATIONS = 5  # 40 SIGKILLs in all
@@ -31,7 +31,7 @@ GENERATIONS = 5  # 40 SIGKILLs in all
 @pytest.fixture(scope="module")
 def forkserver():
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["dynamo_tiered_kv.tiers.ssd.torture", "dynamo_tiered_kv.tiers.ssd.tier"])
+    ctx.set_forkserver_preload(["dynamo_tiered_kv.testing.ssd_torture", "dynamo_tiered_kv.tiers.ssd.tier"])
     return ctx
 
 

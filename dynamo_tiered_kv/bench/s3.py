@@ -41,11 +41,11 @@ from ..codec import encode_payload, record_bytes
 from ..keys import KEY_BYTES, ROOT_KEY
 from ..layout import BlockShape, CanonicalFormat, DType
 from ..staging import StagingPool
-from ..testing.records import random_key
 from ..tiers.base import ReadRequest
 from ..tiers.objectstore import ObjectTier, S3Backend
 from ..tiers.segments import SealedSegment, SegmentEntry
 from . import report
+from ._keys import random_key
 
 NAMESPACE = bytes(range(KEY_BYTES))
 

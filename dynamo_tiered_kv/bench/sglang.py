@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from ..testing import sglang_host as sh
+    from . import _sglang_host as sh
 
     sgl = sh.load_sglang()
     work = Path(tempfile.mkdtemp(prefix="dtkv-bench-sglang-", dir=args.dir))
@@ -93,9 +93,9 @@ def _measure(sgl: Any, sh: Any, args: argparse.Namespace, tier: str, layout: str
 
     from ..codec import encode_blocks, record_bytes
     from ..layout import EngineLayout
-    from ..testing.records import random_key
     from ..tiers.base import ReadRequest
     from ..tiers.ssd.io import aligned_buffer
+    from ._keys import random_key
 
     n, ps = args.pages, args.page_size
     pool = sh.mha_host_pool(sgl, layout, layers=args.layers, heads=args.heads, head_dim=args.head_dim,

@@ -29,11 +29,11 @@ import numpy as np
 from ..codec import encode_payload, header_bytes, record_bytes
 from ..keys import KEY_BYTES
 from ..layout import BlockShape, CanonicalFormat, DType
-from ..testing.records import random_key
 from ..tiers.base import ReadRequest
 from ..tiers.ssd import SSDTier
 from ..tiers.ssd.io import aligned_buffer
 from . import report
+from ._keys import random_key
 
 NAMESPACE = bytes(range(KEY_BYTES))
 

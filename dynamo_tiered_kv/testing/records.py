@@ -6,9 +6,12 @@ import hashlib
 
 import numpy as np
 
+from ..bench._keys import random_key
 from ..codec import encode_payload, record_bytes
 from ..keys import KEY_BYTES, ROOT_KEY
 from ..layout import BlockShape, CanonicalFormat, DType
+
+__all__ = ["TEST_NAMESPACE", "make_record", "random_key", "small_shape"]
 
 TEST_NAMESPACE = hashlib.blake2b(b"dtkv-test-namespace", digest_size=KEY_BYTES).digest()
 
@@ -17,10 +20,6 @@ def small_shape(
     num_layers: int = 2, block_size: int = 16, kv_heads: int = 2, head_size: int = 32, dtype: DType = DType.BFLOAT16
 ) -> BlockShape:
     return BlockShape(CanonicalFormat.KV_SPLIT, dtype, num_layers, block_size, kv_heads, head_size)
-
-
-def random_key(i: int, salt: bytes = b"") -> bytes:
-    return hashlib.blake2b(salt + i.to_bytes(8, "little"), digest_size=KEY_BYTES).digest()
 
 
 def make_record(

@@ -14,7 +14,7 @@ import os
 import random
 from dataclasses import dataclass, field
 
-from ...testing.records import make_record, random_key, small_shape
+from .records import make_record, random_key, small_shape
 
 SHAPES = [small_shape(num_layers=n) for n in (1, 2, 5)]
 SALT = b"ssd-torture"
