@@ -17,7 +17,8 @@ that another node's GC or ``fsck`` deletes from the shared tier.
 
 Listeners are called on the store's loop thread or a tier's writer thread, never while a tier
 holds its lock; they must be quick and thread-safe. A listener that raises is logged, never
-propagated into the tier.
+propagated into the tier. A tier reads its ``residency_hook`` once per report; hooks are
+immutable, so installing new ones while a tier reports is safe.
 """
 
 from __future__ import annotations
@@ -52,21 +53,34 @@ class ResidencyListener(Protocol):
 
 class TierHook:
     """What a tier calls: ``evicted(keys)`` when it dropped blocks on its own (capacity), and
-    ``flushed(keys)`` when its blocks reached the shared tier (SSD segments marked flushed)."""
+    ``flushed(keys)`` when its blocks reached the shared tier (SSD segments marked flushed).
 
-    __slots__ = ("_flush_medium", "_listener", "_medium")
+    ``on_evicted``: the store's own bookkeeping of the tier (retention), told before the listener.
+    Immutable once built: a tier's writer thread calls it while the store may install a new one.
+    """
 
-    def __init__(self, listener: ResidencyListener, medium: str, flush_medium: str | None = None) -> None:
+    __slots__ = ("_flush_medium", "_listener", "_medium", "_on_evicted")
+
+    def __init__(self, listener: ResidencyListener | None, medium: str | None, flush_medium: str | None = None,
+                 on_evicted: Callable[[Sequence[BlockKey]], None] | None = None) -> None:
         self._listener = listener
         self._medium = medium
         self._flush_medium = flush_medium
+        self._on_evicted = on_evicted
 
     def evicted(self, keys: Sequence[BlockKey]) -> None:
-        if keys:
+        if not keys:
+            return
+        if self._on_evicted is not None:
+            try:
+                self._on_evicted(keys)
+            except Exception:
+                log.exception("eviction bookkeeping failed (%d blocks); ignored", len(keys))
+        if self._listener is not None and self._medium is not None:
             notify(self._listener.removed, self._medium, keys)
 
     def flushed(self, keys: Sequence[BlockKey]) -> None:
-        if keys and self._flush_medium is not None:
+        if keys and self._listener is not None and self._flush_medium is not None:
             notify(self._listener.stored, self._flush_medium, keys)
 
 
@@ -77,13 +91,18 @@ def notify(fn: Callable[[str, Sequence[BlockKey]], None], medium: str, keys: Seq
         log.exception("residency listener failed (%s, %d blocks); ignored", medium, len(keys))
 
 
-def install(tiers: Sequence[object], listener: ResidencyListener | None) -> None:
-    """Give each tier of known medium a ``residency_hook`` (None when ``listener`` is None).
+def install(tiers: Sequence[object], listener: ResidencyListener | None,
+            on_evicted: Sequence[Callable[[Sequence[BlockKey]], None] | None] = ()) -> None:
+    """Give each tier a ``residency_hook``: told to ``listener`` (tiers of known medium) and to the
+    tier's ``on_evicted[i]`` if any; None when it has neither.
 
     SSD flushes are announced with the medium of the first shared tier, if any.
     """
     shared = next((medium_of(t) for t in tiers if getattr(getattr(t, "capabilities", None), "shared", False)), None)
-    for t in tiers:
+    for i, t in enumerate(tiers):
         m = medium_of(t)
-        if m is not None:
-            t.residency_hook = None if listener is None else TierHook(listener, m, shared)  # type: ignore[attr-defined]
+        own = on_evicted[i] if i < len(on_evicted) else None
+        if (listener is not None and m is not None) or own is not None:
+            t.residency_hook = TierHook(listener, m, shared, own)  # type: ignore[attr-defined]
+        elif m is not None or hasattr(t, "residency_hook"):
+            t.residency_hook = None  # type: ignore[attr-defined]

@@ -40,7 +40,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from . import lifecycle
@@ -85,6 +85,11 @@ class LoadResult:
     failed_block_ids: list[int] = field(default_factory=list)
     tier_per_block: list[str] = field(default_factory=list)  # source tier of each loaded block
     stages: LoadStages = field(default_factory=LoadStages)  # where the time went (store_reads.LoadStages)
+
+
+def _block_count(tier: Tier) -> Callable[[], int]:
+    """How many blocks ``tier`` holds now (its in-memory index), for bounding retention tracking."""
+    return lambda: tier.usage().num_blocks
 
 
 def _check_block_ids(layout: EngineLayout, block_ids: Sequence[int]) -> None:
@@ -137,7 +142,8 @@ class TieredStore(ChunkReads):
         self.max_pending_offloads = max_pending_offloads
         self.write_depth = max(1, min(write_depth, len(self.tiers)))
         ttls = list(ttl_s or [])
-        self._ttl = [Retention(ttls[i] if i < len(ttls) else None) for i in range(len(self.tiers))]
+        self._ttl = [Retention(ttls[i] if i < len(ttls) else None, t.contains, _block_count(t))
+                     for i, t in enumerate(self.tiers)]
         self.metrics = StoreMetrics(self.tiers)
         self.metrics_port = self.metrics.serve(metrics_port) if metrics_port is not None else None
         self._ns_digest = namespace.digest
@@ -433,7 +439,7 @@ class TieredStore(ChunkReads):
     def set_residency(self, listener: ResidencyListener | None) -> None:
         """Report to ``listener`` which blocks each tier stores and drops from now on (None: stop)."""
         self._residency = listener
-        install(self.tiers, listener)
+        install(self.tiers, listener, [r.forget if r.ttl_s is not None else None for r in self._ttl])
 
     def _tell(self, ti: int, keys: list[BlockKey], *, stored: bool) -> None:
         listener, medium = self._residency, medium_of(self.tiers[ti])
@@ -459,6 +465,15 @@ class TieredStore(ChunkReads):
     @property
     def pending_offloads(self) -> int:
         return self._pending
+
+    def bookkeeping(self) -> dict[str, int]:
+        """Sizes of the store's own maps (for soak tests and leak hunting): retention entries per
+        tier, admission sightings, tasks on the loop, offload batches pending."""
+        out = {f"retention_{t.name}": len(r) for t, r in zip(self.tiers, self._ttl)}
+        out["admission_keys"] = len(self.admission)
+        out["loop_tasks"] = len(self._tasks)
+        out["pending_offloads"] = self._pending
+        return out
 
     # --- load ------------------------------------------------------------------------------
     def load(self, layout: EngineLayout, block_ids: Sequence[int], keys: Sequence[BlockKey],
@@ -495,6 +510,7 @@ class TieredStore(ChunkReads):
         """Delete a record that failed verification so lookups stop offering it."""
         try:
             if await self.tiers[ti].delete(key):
+                self._ttl[ti].forget([key])
                 self._tell(ti, [key], stored=False)
         except Exception as e:
             log.warning("could not delete corrupt block %s from tier %s: %s", key.hex(), self.tiers[ti].name, e)
@@ -533,6 +549,7 @@ class TieredStore(ChunkReads):
         try:
             keys = list(tier.keys())
             n = await tier.delete_many(keys)
+            self._ttl[ti].forget(keys)
             self._tell(ti, keys, stored=False)
             log.info("dropped %d blocks from tier %s (cache reset)", n, tier.name)
         except Exception as e:

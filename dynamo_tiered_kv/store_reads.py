@@ -213,6 +213,13 @@ class ChunkReads:
                        and start(0)):
                     pass
                 rd = inflight.popleft()
+                if deadline is not None and time.monotonic() >= deadline:
+                    # in-place host chunks never wait on a read: without this a long host restore
+                    # would outlive its timeout (and the quiesce that waits for it)
+                    log.warning("load timed out after %.1fs with %d of %d blocks restored; recomputing the rest",
+                                timeout, len(loaded), n)
+                    self._abandon(rd)
+                    break
                 st.chunks += 1
                 if rd.in_place is not None:
                     ok, want = self._decode_in_place(layout, rd, block_ids, keys, rb, loaded, tiers_of, st, decoder)
