@@ -1,0 +1,129 @@
+"""Counters of hint reading, and the rate-limited log line a bad hint costs.
+
+Hints come from clients: a flood of malformed ones must cost neither the request nor the log.
+Every outcome is a counter; log lines are at most one per ``interval_s`` per kind, the next
+line saying how many were suppressed.
+
+Prometheus names (``HintStats.register(registry)``, e.g. a store's ``StoreMetrics.registry``):
+
+    hint_envelopes_total{outcome}        envelopes read: ok, malformed, unparsable (read, then an
+                                         action's payload raised)
+    hint_actions_total{action,outcome}   actions by kind (kv.retain, dtkv.prefetch, kv.fetch,
+                                         unknown): accepted, rejected, dropped (past a cap)
+    hint_rejections_total{action,reason} rejected actions by reason code (a fixed set, never
+                                         client text)
+    hint_truncated_directives_total      kv.retain directives dropped past the per-envelope cap
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter as _Tally
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+
+class RateLimitedLog:
+    """At most one warning per ``interval_s`` per ``kind``; the next one counts what it skipped."""
+
+    def __init__(self, interval_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._interval = interval_s
+        self._clock = clock
+        self._next: dict[str, float] = {}
+        self._skipped: _Tally[str] = _Tally()
+        self._lock = threading.Lock()
+
+    def warning(self, kind: str, msg: str, *args: object) -> bool:
+        """Log ``msg % args`` unless ``kind`` logged within the interval. Returns whether it logged."""
+        now = self._clock()
+        with self._lock:
+            if now < self._next.get(kind, float("-inf")):
+                self._skipped[kind] += 1
+                return False
+            self._next[kind] = now + self._interval
+            skipped = self._skipped.pop(kind, 0)
+        suffix = f" ({skipped} similar suppressed)" if skipped else ""
+        log.warning(msg + suffix, *args)
+        return True
+
+
+class HintStats:
+    """Thread-safe tallies of hint outcomes; ``register`` exports them to a Prometheus registry."""
+
+    def __init__(self, log_interval_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.log = RateLimitedLog(log_interval_s, clock)
+        self._lock = threading.Lock()
+        self._envelopes: _Tally[str] = _Tally()
+        self._actions: _Tally[tuple[str, str]] = _Tally()
+        self._rejections: _Tally[tuple[str, str]] = _Tally()
+        self._truncated = 0
+
+    def envelope(self, outcome: str) -> None:
+        with self._lock:
+            self._envelopes[outcome] += 1
+
+    def action(self, kind: str, outcome: str, n: int = 1) -> None:
+        with self._lock:
+            self._actions[(kind, outcome)] += n
+
+    def rejected(self, kind: str, reason: str) -> None:
+        with self._lock:
+            self._actions[(kind, "rejected")] += 1
+            self._rejections[(kind, reason)] += 1
+
+    def truncated_directives(self, n: int) -> None:
+        with self._lock:
+            self._truncated += n
+
+    def envelopes(self, outcome: str) -> int:
+        with self._lock:
+            return self._envelopes[outcome]
+
+    def actions(self, kind: str, outcome: str) -> int:
+        with self._lock:
+            return self._actions[(kind, outcome)]
+
+    def rejections(self, kind: str, reason: str) -> int:
+        with self._lock:
+            return self._rejections[(kind, reason)]
+
+    def truncated(self) -> int:
+        with self._lock:
+            return self._truncated
+
+    def register(self, registry: CollectorRegistry) -> None:
+        registry.register(_HintCollector(self))
+
+    def _snapshot(self) -> tuple[dict[str, int], dict[tuple[str, str], int], dict[tuple[str, str], int], int]:
+        with self._lock:
+            return dict(self._envelopes), dict(self._actions), dict(self._rejections), self._truncated
+
+
+class _HintCollector(Collector):
+    def __init__(self, stats: HintStats) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        envelopes, actions, rejections, truncated = self._stats._snapshot()
+        env = CounterMetricFamily("dtkv_hint_envelopes", "KV hint envelopes read", labels=["outcome"])
+        for outcome, n in envelopes.items():
+            env.add_metric([outcome], n)
+        act = CounterMetricFamily("dtkv_hint_actions", "KV hint actions by kind and outcome",
+                                  labels=["action", "outcome"])
+        for (kind, outcome), n in actions.items():
+            act.add_metric([kind, outcome], n)
+        rej = CounterMetricFamily("dtkv_hint_rejections", "rejected KV hint actions by reason",
+                                  labels=["action", "reason"])
+        for (kind, reason), n in rejections.items():
+            rej.add_metric([kind, reason], n)
+        trunc = CounterMetricFamily("dtkv_hint_truncated_directives",
+                                    "kv.retain directives dropped past the per-envelope cap")
+        trunc.add_metric([], truncated)
+        yield from (env, act, rej, trunc)
