@@ -1,7 +1,8 @@
 """``dtkv bench <path>``: each benchmark is a module ``dynamo_tiered_kv/bench/<path>.py`` with
 ``add_arguments(parser)`` and ``run(args) -> dict``. ``--json`` prints that dict and nothing else
-on stdout; otherwise the module's ``format_result(result)`` tables (``bench/report.py``) are
-printed. Progress goes to stderr (``--no-progress`` silences it)."""
+on stdout (``--json FILE`` writes it to FILE instead); otherwise the module's
+``format_result(result)`` tables (``bench/report.py``) are printed. Progress goes to stderr
+(``--no-progress`` silences it)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         if not hasattr(m, "run"):  # helpers (report.py)
             continue
         bp = paths.add_parser(mod.name, help=(m.__doc__ or "").strip().splitlines()[0])
-        bp.add_argument("--json", action="store_true", help="print one JSON object (only that) instead of tables")
+        bp.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                        help="print one JSON object (only that) instead of tables; with FILE: write it there "
+                             "and print the tables")
         m.add_arguments(bp)
         if not any(a.dest == "no_progress" for a in bp._actions):
             bp.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
@@ -36,7 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run(module: ModuleType, args: argparse.Namespace) -> int:
     report.set_progress(not args.no_progress)
     result = module.run(args)
-    if args.json:
+    if args.json not in (None, "-"):  # a file: keep the result, show the tables
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, sort_keys=True, default=str)
+    if args.json == "-":
         print(json.dumps(result, indent=2, sort_keys=True, default=str))
     elif hasattr(module, "format_result"):
         print(module.format_result(result))
