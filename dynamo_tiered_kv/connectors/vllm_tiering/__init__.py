@@ -1,0 +1,15 @@
+"""dynamo-tiered-kv as a secondary tier under vLLM >= 0.33's own ``OffloadingConnector``.
+
+``--kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+"kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": ...,
+"secondary_tiers": [{"type": "DynamoTieredKVTier", "module_path": "dynamo_tiered_kv.connectors.vllm_tiering",
+"ssd_dir": "/nvme/kv", "object_url": "s3://bucket/kv"}]}}'``
+
+Modules: ``tier`` (the ``SecondaryTierManager``), ``key_mapping`` (offload key -> our key and
+namespace), ``config`` (settings), ``events`` (KV events), ``jobs`` (our threads), ``primary``
+(vLLM's CPU tier as a layout). Importing this package needs vLLM >= 0.33.
+"""
+
+from .tier import DynamoTieredKVTier, RequestHints, open_tier
+
+__all__ = ["DynamoTieredKVTier", "RequestHints", "open_tier"]
