@@ -55,7 +55,9 @@ def test_compact_index_matches_a_dict() -> None:
 def test_lengths_keep_u8_codes_until_the_table_is_full_then_widen() -> None:
     one = Lengths.of(np.full(1000, 2 << 20, np.uint32))
     assert one.codes.dtype == np.uint8 and one.nbytes == 1000 + 4 and one.at(7) == 2 << 20
-    one.put(np.array([3, 4]), np.array([5, 2 << 20], np.uint32))  # a second size: the table grows
+    before = one
+    one = one.replaced(np.array([3, 4]), np.array([5, 2 << 20], np.uint32))  # a second size: the table grows
+    assert before.table is not None and len(before.table) == 1 and before.at(3) == 2 << 20  # never changed
     assert one.table is not None and list(one.table) == [5, 2 << 20] and one.at(3) == 5 and one.at(4) == 2 << 20
     assert int(one.decode()[999]) == 2 << 20
     vals = np.arange(1, MAX_CODES + 10, dtype=np.uint32)  # more distinct sizes than codes

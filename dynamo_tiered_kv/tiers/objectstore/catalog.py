@@ -3,7 +3,10 @@
 Filled from a snapshot (``snapshot.py``), from manifests (parsed straight into numpy columns,
 no per-entry Python objects), and from this node's own publishes. Also keeps this node's
 exclusions (records it stopped serving; local only, never written back to the bucket).
-Not thread-safe: a catalog being built belongs to one worker thread until the tier swaps it in.
+Threads: a catalog being built belongs to one worker thread until the tier swaps it in; after
+that every change runs on the tier's event loop. ``len(catalog)``, ``used`` and lookups through
+``index`` (``CompactObjectIndex.get``) are safe from any thread; names (``data_name``) are
+resolved on the loop.
 """
 
 from __future__ import annotations

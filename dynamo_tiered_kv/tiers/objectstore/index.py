@@ -15,7 +15,16 @@ millions of blocks), so it keeps the same columns without any hash table:
   they are handled: rows sort by (k0, k1).
 
 Offsets and lengths are u32: data objects up to 4 GiB are indexed (segments are 256 MiB);
-entries beyond are refused by the caller. Not thread-safe: one owner (the tier's event loop).
+entries beyond are refused by the caller.
+
+Threads: one writer, any number of readers. Every change runs on the owner (the tier's event
+loop, or the worker thread building a catalog nobody sees yet); ``get``/``in``/``len``/``keys``
+may run on any thread (the engine's lookup, load and KV-event threads) without a lock. They read
+one attribute, ``_pub``, holding the columns *and* the delta of one generation; merges and
+compactions build new columns aside and swap ``_pub`` in one store. A published generation's
+columns never change except for ``obj`` entries turning ``DEAD`` (a removal): single stores a
+reader sees before or after, and a reader reads a row's ``obj`` once. Deltas change by single
+dict operations (atomic under the GIL).
 """
 
 from __future__ import annotations
@@ -37,7 +46,9 @@ Loc = tuple[int, int, int]  # (object id, offset, length)
 
 class Lengths:
     """A u32 length per row, stored as u8 codes into ``table`` (sorted distinct lengths), or as
-    the u32 lengths themselves (``table`` None) once there are more than ``MAX_CODES``."""
+    the u32 lengths themselves (``table`` None) once there are more than ``MAX_CODES``.
+
+    Immutable: every change returns a new ``Lengths`` (readers on other threads hold old ones)."""
 
     __slots__ = ("codes", "table")
 
@@ -75,32 +86,36 @@ class Lengths:
     def take(self, rows: np.ndarray) -> Lengths:
         return Lengths(self.codes[rows], self.table)
 
-    def _code(self, values: np.ndarray) -> np.ndarray:
-        """Codes of ``values``; grows the table (remapping existing codes), or widens the column."""
+    def _coded(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """(this column's codes, table, codes of ``values``) under a table that holds ``values``
+        too: the table grows (existing codes remapped into new arrays) or the column widens.
+        ``self`` is never changed: readers on other threads may hold it."""
         values = np.asarray(values, np.uint32)
         if self.table is None:
-            return values
+            return self.codes, None, values
         new = np.setdiff1d(values, self.table)
-        if len(new):
-            union = np.union1d(self.table, new).astype(np.uint32)
-            if len(union) > MAX_CODES:
-                self.codes, self.table = self.table[self.codes], None
-                return values
-            self.codes = np.searchsorted(union, self.table).astype(np.uint8)[self.codes]
-            self.table = union
-        return np.searchsorted(self.table, values).astype(np.uint8)
+        if not len(new):
+            return self.codes, self.table, np.searchsorted(self.table, values).astype(np.uint8)
+        union = np.union1d(self.table, new).astype(np.uint32)
+        if len(union) > MAX_CODES:
+            return self.table[self.codes], None, values
+        codes = np.searchsorted(union, self.table).astype(np.uint8)[self.codes]
+        return codes, union, np.searchsorted(union, values).astype(np.uint8)
 
-    def put(self, rows: np.ndarray | int, values: np.ndarray | int) -> None:
-        codes = self._code(np.atleast_1d(np.asarray(values, np.uint32)))
-        self.codes[rows] = codes if np.ndim(rows) else codes[0]
+    def replaced(self, rows: np.ndarray, values: np.ndarray) -> Lengths:
+        """A copy with ``rows`` set to ``values``."""
+        codes, table, new = self._coded(np.atleast_1d(np.asarray(values, np.uint32)))
+        codes = codes.copy() if codes is self.codes else codes
+        codes[rows] = new
+        return Lengths(codes, table)
 
     def insert(self, at: np.ndarray, values: np.ndarray) -> Lengths:
-        codes = self._code(values)
-        return Lengths(np.insert(self.codes, at, codes), self.table)
+        codes, table, new = self._coded(values)
+        return Lengths(np.insert(codes, at, new), table)
 
     def append(self, values: np.ndarray) -> Lengths:
-        codes = self._code(values)
-        return Lengths(np.concatenate([self.codes, codes]), self.table)
+        codes, table, new = self._coded(values)
+        return Lengths(np.concatenate([codes, new]), table)
 
 
 def split_keys(keys: bytes | bytearray | memoryview) -> tuple[np.ndarray, np.ndarray]:
@@ -140,28 +155,16 @@ def _halves(key: bytes) -> tuple[int, int]:
     return int.from_bytes(key[:8], "big"), int.from_bytes(key[8:16], "big")
 
 
-class CompactObjectIndex:
-    """Sorted numpy columns + a small insert dict; see the module docstring."""
+class _Generation:
+    """The columns and the delta one reader sees together (see the module docstring)."""
 
-    def __init__(self) -> None:
-        self.k0 = np.empty(0, np.uint64)
-        self.k1 = np.empty(0, np.uint64)
-        self.obj = np.empty(0, np.uint32)
-        self.off = np.empty(0, np.uint32)
-        self.len = Lengths.of(np.empty(0, np.uint32))
-        self.delta: dict[bytes, Loc] = {}
-        self._live_base = 0
+    __slots__ = ("delta", "k0", "k1", "len", "obj", "off")
 
-    def __len__(self) -> int:
-        return self._live_base + len(self.delta)
+    def __init__(self, k0: np.ndarray, k1: np.ndarray, obj: np.ndarray, off: np.ndarray, ln: Lengths,
+                 delta: dict[bytes, Loc]) -> None:
+        self.k0, self.k1, self.obj, self.off, self.len, self.delta = k0, k1, obj, off, ln, delta
 
-    def nbytes(self) -> int:
-        """Bytes held by the columns and the delta (dict slots + tuples + key objects, estimated)."""
-        cols = sum(a.nbytes for a in (self.k0, self.k1, self.obj, self.off, self.len))  # Lengths too
-        return cols + len(self.delta) * 200
-
-    # --- point operations -----------------------------------------------------------------------
-    def _row(self, key: bytes) -> int:
+    def row(self, key: bytes) -> int:
         a, b = _halves(key)
         k0 = self.k0
         i = int(k0.searchsorted(a))
@@ -176,37 +179,73 @@ class CompactObjectIndex:
         loc = self.delta.get(key)
         if loc is not None:
             return loc
-        i = self._row(key)
-        if i < 0 or self.obj[i] == DEAD:
+        i = self.row(key)
+        if i < 0:
             return None
-        return int(self.obj[i]), int(self.off[i]), self.len.at(i)
+        obj = self.obj[i]  # read once: a removal may turn it DEAD meanwhile
+        return None if obj == DEAD else (int(obj), int(self.off[i]), self.len.at(i))
+
+
+class CompactObjectIndex:
+    """Sorted numpy columns + a small insert dict; see the module docstring.
+
+    Owner: one thread changes it (the tier's event loop; a catalog being built: its worker).
+    ``get``, ``in``, ``len`` and ``keys`` are safe from any thread, without a lock.
+    """
+
+    def __init__(self) -> None:
+        e = np.empty(0, np.uint64)
+        self._pub = _Generation(e, e, np.empty(0, np.uint32), np.empty(0, np.uint32),
+                                Lengths.of(np.empty(0, np.uint32)), {})
+        self._live_base = 0
+
+    # the current generation's parts (owner-side code and tests; readers go through ``get``)
+    k0 = property(lambda self: self._pub.k0)
+    k1 = property(lambda self: self._pub.k1)
+    obj = property(lambda self: self._pub.obj)
+    off = property(lambda self: self._pub.off)
+    len = property(lambda self: self._pub.len)
+    delta = property(lambda self: self._pub.delta)
+
+    def __len__(self) -> int:
+        return self._live_base + len(self._pub.delta)  # from another thread: a count of a moment ago
+
+    def nbytes(self) -> int:
+        """Bytes held by the columns and the delta (dict slots + tuples + key objects, estimated)."""
+        g = self._pub
+        cols = sum(a.nbytes for a in (g.k0, g.k1, g.obj, g.off, g.len))  # Lengths too
+        return cols + len(g.delta) * 200
+
+    # --- point operations -----------------------------------------------------------------------
+    def get(self, key: bytes) -> Loc | None:
+        return self._pub.get(key)
 
     def __contains__(self, key: bytes) -> bool:
-        return self.get(key) is not None
+        return self._pub.get(key) is not None
 
     def put(self, key: bytes, obj: int, off: int, length: int) -> Loc | None:
-        """Insert or replace; returns the previous location."""
-        old = self.remove(key)
-        i = self._row(key)
-        if i >= 0:  # a dead row of this key: revive it in place
-            self.obj[i], self.off[i] = obj, off
-            self.len.put(i, length)
-            self._live_base += 1
-        else:
-            self.delta[key] = (obj, off, length)
-            if len(self.delta) > DELTA_MAX:
-                self.compact()
+        """Insert or replace; returns the previous location. (Owner only.)"""
+        g = self._pub
+        old = g.delta.get(key)
+        g.delta[key] = (obj, off, length)  # first: a concurrent reader finds the key throughout
+        if old is None:
+            old = self._kill_row(g, key)  # a base row of the key stays DEAD until compaction
+        if len(g.delta) > DELTA_MAX:
+            self.compact()
         return old
 
     def remove(self, key: bytes) -> Loc | None:
-        loc = self.delta.pop(key, None)
-        if loc is not None:
-            return loc
-        i = self._row(key)
-        if i < 0 or self.obj[i] == DEAD:
+        g = self._pub
+        loc = g.delta.pop(key, None)
+        base = self._kill_row(g, key)
+        return loc if loc is not None else base
+
+    def _kill_row(self, g: _Generation, key: bytes) -> Loc | None:
+        i = g.row(key)
+        if i < 0 or g.obj[i] == DEAD:
             return None
-        loc = int(self.obj[i]), int(self.off[i]), self.len.at(i)
-        self.obj[i] = DEAD
+        loc = int(g.obj[i]), int(g.off[i]), g.len.at(i)
+        g.obj[i] = DEAD
         self._live_base -= 1
         return loc
 
@@ -214,64 +253,70 @@ class CompactObjectIndex:
         """Drop every block of the given object ids."""
         if len(objs) == 0:
             return
-        hit = np.isin(self.obj, objs)
+        g = self._pub
+        hit = np.isin(g.obj, objs)
         self._live_base -= int(np.count_nonzero(hit))
-        self.obj[hit] = DEAD
+        g.obj[hit] = DEAD
         drop = set(int(o) for o in objs)
-        for k in [k for k, v in self.delta.items() if v[0] in drop]:
-            del self.delta[k]
+        for k in [k for k, v in g.delta.items() if v[0] in drop]:
+            del g.delta[k]
 
     def keys(self) -> Iterator[bytes]:
-        live = self.obj != DEAD
-        raw = join_keys(self.k0[live], self.k1[live])
+        g = self._pub
+        obj = g.obj.copy()  # one moment's liveness, the same length as the keys
+        live = obj != DEAD
+        raw = join_keys(g.k0[live], g.k1[live])
         base = [raw[i:i + 16] for i in range(0, len(raw), 16)]
-        return iter(base + list(self.delta))
+        return iter(base + list(g.delta.copy()))
 
     def columns(self) -> tuple[np.ndarray, ...]:
         """Live rows, key-sorted: (k0, k1, obj, off, len) (the delta folded in first)."""
         self.compact()
-        return self.k0, self.k1, self.obj, self.off, self.len.decode()
+        g = self._pub
+        return g.k0, g.k1, g.obj, g.off, g.len.decode()
 
     def live_bytes_per_object(self, n_objects: int) -> np.ndarray:
+        g = self._pub
         # in chunks: whole-column temporaries (intp ids, f64 weights) cost ~1 s of page faults at 10M
         acc = np.zeros(n_objects, np.float64)
-        for i in range(0, len(self.obj), CHUNK):
-            obj, ln = self.obj[i:i + CHUNK], self.len.decode(slice(i, i + CHUNK))
+        for i in range(0, len(g.obj), CHUNK):
+            obj, ln = g.obj[i:i + CHUNK], g.len.decode(slice(i, i + CHUNK))
             live = obj != DEAD
             acc += np.bincount(obj[live], weights=ln[live], minlength=n_objects)[:n_objects]
         out = acc.astype(np.int64)
-        for o, _, n in self.delta.values():
+        for o, _, n in g.delta.values():
             out[o] += n
         return out
 
     # --- bulk operations ------------------------------------------------------------------------
     def compact(self) -> None:
-        """Fold the delta into the sorted columns and drop dead rows."""
-        if not self.delta and self._live_base == len(self.k0):
+        """Fold the delta into the sorted columns and drop dead rows (a new generation)."""
+        g = self._pub
+        if not g.delta and self._live_base == len(g.k0):
             return
-        keys = b"".join(self.delta)
-        locs = np.array(list(self.delta.values()), dtype=np.int64).reshape(-1, 3)
+        keys = b"".join(g.delta)
+        locs = np.array(list(g.delta.values()), dtype=np.int64).reshape(-1, 3)
         d0, d1 = split_keys(keys)
-        self.delta = {}
-        live = self.obj != DEAD
-        self._set_sorted(np.concatenate([self.k0[live], d0]), np.concatenate([self.k1[live], d1]),
-                         np.concatenate([self.obj[live], locs[:, 0].astype(np.uint32)]),
-                         np.concatenate([self.off[live], locs[:, 1].astype(np.uint32)]),
-                         self.len.take(live).append(locs[:, 2].astype(np.uint32)), presorted=not len(d0))
+        live = g.obj != DEAD
+        self._publish(np.concatenate([g.k0[live], d0]), np.concatenate([g.k1[live], d1]),
+                      np.concatenate([g.obj[live], locs[:, 0].astype(np.uint32)]),
+                      np.concatenate([g.off[live], locs[:, 1].astype(np.uint32)]),
+                      g.len.take(live).append(locs[:, 2].astype(np.uint32)), presorted=not len(d0))
 
-    def _set_sorted(self, k0: np.ndarray, k1: np.ndarray, obj: np.ndarray, off: np.ndarray,
-                    ln: np.ndarray | Lengths, presorted: bool = False) -> None:
+    def _publish(self, k0: np.ndarray, k1: np.ndarray, obj: np.ndarray, off: np.ndarray,
+                 ln: np.ndarray | Lengths, presorted: bool = False) -> None:
+        """Swap in new columns (fresh arrays nobody else holds) with an empty delta."""
         lengths = ln if isinstance(ln, Lengths) else Lengths.of(ln)
         if not presorted:
             order = np.lexsort((k1, k0))
             k0, k1, obj, off, lengths = k0[order], k1[order], obj[order], off[order], lengths.take(order)
-        self.k0, self.k1, self.obj, self.off, self.len = k0, k1, obj, off, lengths
-        self._live_base = int(np.count_nonzero(obj != DEAD))
+        live = int(np.count_nonzero(obj != DEAD))
+        self._pub = _Generation(k0, k1, obj, off, lengths, {})
+        self._live_base = live
 
     def load_sorted(self, k0: np.ndarray, k1: np.ndarray, obj: np.ndarray, off: np.ndarray, ln: np.ndarray) -> None:
         """Replace everything with key-sorted, duplicate-free columns (a snapshot)."""
-        self.delta = {}
-        self._set_sorted(k0, k1, obj, off, ln, presorted=True)
+        self._publish(k0, k1, obj, off, ln, presorted=True)
 
     def merge(self, k0: np.ndarray, k1: np.ndarray, obj: np.ndarray, off: np.ndarray, ln: np.ndarray,
               created: np.ndarray) -> None:
@@ -288,33 +333,36 @@ class CompactObjectIndex:
         last = np.ones(len(k0), bool)
         last[:-1] = (k0[1:] != k0[:-1]) | (k1[1:] != k1[:-1])
         k0, k1, obj, off, ln = k0[last], k1[last], obj[last], off[last], ln[last]
-        if len(self.k0) == 0:
-            self._set_sorted(k0, k1, obj, off, ln, presorted=True)
+        g = self._pub
+        n = len(g.k0)
+        if n == 0:
+            self._publish(k0, k1, obj, off, ln, presorted=True)
             return
-        pos = np.searchsorted(self.k0, k0)
-        n = len(self.k0)
+        pos = np.searchsorted(g.k0, k0)
         while True:  # step past equal-k0 rows with a smaller k1 (lexicographic position)
             p = np.minimum(pos, n - 1)
-            step = (pos < n) & (self.k0[p] == k0) & (self.k1[p] < k1)
+            step = (pos < n) & (g.k0[p] == k0) & (g.k1[p] < k1)
             if not step.any():
                 break
             pos = pos + step
         p = np.minimum(pos, n - 1)
-        match = (pos < n) & (self.k0[p] == k0) & (self.k1[p] == k1)
+        match = (pos < n) & (g.k0[p] == k0) & (g.k1[p] == k1)
         mi = pos[match]
-        cur = self.obj[mi]
+        cur = g.obj[mi]
         wins = (cur == DEAD) | (created[np.where(cur == DEAD, 0, cur)] <= created[obj[match]])
-        rows = mi[wins]
-        self.obj[rows], self.off[rows] = obj[match][wins], off[match][wins]
-        self.len.put(rows, ln[match][wins])
         new = ~match
         ins = pos[new]
-        self.k0 = np.insert(self.k0, ins, k0[new])
-        self.k1 = np.insert(self.k1, ins, k1[new])
-        self.obj = np.insert(self.obj, ins, obj[new])
-        self.off = np.insert(self.off, ins, off[new])
-        self.len = self.len.insert(ins, ln[new])
-        self._live_base = int(np.count_nonzero(self.obj != DEAD))
+        # new arrays (np.insert copies): readers keep the published ones until the swap
+        nobj = np.insert(g.obj, ins, obj[new])
+        noff = np.insert(g.off, ins, off[new])
+        nlen = g.len.insert(ins, ln[new])
+        rows = mi[wins]
+        rows = rows + np.searchsorted(ins, rows, side="right")  # where the kept rows moved to
+        nobj[rows], noff[rows] = obj[match][wins], off[match][wins]
+        if len(rows):
+            nlen = nlen.replaced(rows, ln[match][wins])
+        self._publish(np.insert(g.k0, ins, k0[new]), np.insert(g.k1, ins, k1[new]), nobj, noff, nlen,
+                      presorted=True)
 
 
 class ObjectTable:
@@ -324,6 +372,8 @@ class ObjectTable:
     manifest name (-1: legacy name); ``created``: created_at; ``live``: live record bytes;
     ``flags``: ``ROOT`` (legacy root layout), ``GONE`` (forgotten). Names that are not canonical
     (written by other tools) are kept in ``odd``.
+
+    Owner: the catalog's owner (see ``catalog.py``); read and changed there only.
     """
 
     ROOT = 1

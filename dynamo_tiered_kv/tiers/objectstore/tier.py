@@ -2,7 +2,10 @@
 
 * The index (key -> data object, offset, length) lives in memory and is rebuilt from the
   manifests at ``open()`` (and ``refresh()``), so ``contains``/``size_of``/``keys`` never do I/O
-  and any node pointed at the bucket discovers what every other node stored.
+  and any node pointed at the bucket discovers what every other node stored. Everything else
+  runs on the tier's event loop (the index's one writer); ``contains``/``size_of``/``keys``/
+  ``usage`` are also called from engine threads and read a consistent generation of the index
+  without a lock (``index.py``).
 * ``read_many`` groups requests by data object and coalesces byte-contiguous ones into ONE ranged
   GET scattered into the callers' buffers: restoring a prefix costs one GET per contiguous run.
   Whole-record reads are verified (``codec.verify_record``: key, and the namespace when given);
