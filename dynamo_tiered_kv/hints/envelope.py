@@ -62,7 +62,7 @@ class HintAction:
     @property
     def major_version(self) -> int | None:
         head = self.action_version.split(".", 1)[0]
-        return int(head) if head.isascii() and head.isdigit() else None
+        return int(head) if head.isdecimal() else None  # as vLLM reads it
 
 
 @dataclass(frozen=True, slots=True)
