@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ...config import TieredKVConfig
 from ...errors import ConfigError
-from .identity import model_identity
+from .identity import engine_identity
 from .metadata import TieredKVMetadata
 from .rendezvous import LookupClient, engine_key
 from .scheduler import SchedulerRole, with_recompute_policy
@@ -50,8 +50,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.config = TieredKVConfig.from_mapping(dict(ktc.kv_connector_extra_config or {}))
-        model_id = model_identity(vllm_config.model_config, override=self.config.model_id or "",
-                                  kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")))
+        model_id = engine_identity(vllm_config, override=self.config.model_id or "")
         block_size = int(vllm_config.cache_config.block_size)
         pc = vllm_config.parallel_config
         key = engine_key(str(ktc.engine_id), int(getattr(pc, "data_parallel_rank", 0) or 0))

@@ -40,6 +40,7 @@ from typing import Any
 
 from ...config import TieredKVConfig
 from ...keys import ROOT_KEY, Namespace, block_key, scope_salt
+from .identity import lora_scopes
 from .load_outcomes import LoadOutcomes
 from .metadata import LoadSpec, SaveSpec, TieredKVMetadata
 from .rendezvous import LookupClient
@@ -119,10 +120,8 @@ class SchedulerRole:
     def _namespace_for(self, request: Any) -> Namespace | None:
         if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
             return None  # token ids do not identify multimodal or embedding prompts
-        lora = getattr(request, "lora_request", None)
-        lora_name = str(getattr(lora, "lora_name", lora)) if lora is not None else None
-        salt = scope_salt(self._salt, cache=getattr(request, "cache_salt", None), lora=lora_name,
-                          epoch=self._epoch)
+        salt = scope_salt(self._salt, cache=getattr(request, "cache_salt", None), epoch=self._epoch,
+                          **lora_scopes(getattr(request, "lora_request", None)))
         return token_namespace(self.model_id, self.block_size, salt)
 
     # --- vLLM hooks -----------------------------------------------------------------------
