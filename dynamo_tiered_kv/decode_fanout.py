@@ -11,6 +11,7 @@ blocks, so no two threads write the same bytes. Used only while nobody limits th
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
@@ -20,14 +21,21 @@ WAYS = max(1, min(4, os.cpu_count() or 1))
 #: smallest range worth a thread (per-call overhead, a wake-up)
 MIN_BYTES_PER_WAY = 2 << 20
 
+#: process-wide, shared by every store and loading thread, idle when unused; created once under
+#: ``_pool_lock`` (loads on several threads may start at once), never replaced
 _pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 def _helpers() -> ThreadPoolExecutor:
     global _pool
-    if _pool is None:  # process-wide: shared by every store and onboarding thread, idle when unused
-        _pool = ThreadPoolExecutor(max(1, WAYS - 1), thread_name_prefix="dtkv-decode")
-    return _pool
+    pool = _pool
+    if pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(max(1, WAYS - 1), thread_name_prefix="dtkv-decode")
+            pool = _pool
+    return pool
 
 
 def fan_out(n: int, record_bytes: int, decode: Callable[[int, int], list[Any]]) -> list[Any]:

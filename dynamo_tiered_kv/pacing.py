@@ -42,6 +42,10 @@ class StepShare:
     quiet stretch would stall the step that admits it). If no step comes for ``stall_s`` (a long
     forward, or the engine stopped stepping), a waiting slice runs anyway: a restore must end by its
     deadline, and a stalled engine has no step to protect.
+
+    Threads: ``step`` on the engine thread, ``admit``/``spent`` on restoring threads (several loads
+    may share one pacer). Credit, the idle flag, the last step's time and ``waited_s`` change only
+    under ``_cond``; ``limiting`` reads the flag alone (one attribute: a snapshot).
     """
 
     def __init__(self, share: float, stall_s: float = 0.05, first_step_s: float = 0.01) -> None:

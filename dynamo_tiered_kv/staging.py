@@ -87,7 +87,10 @@ def _try_mlock(addr: int, nbytes: int) -> bool:
 class StagingPool:
     """``num_slabs`` slabs of ``slab_bytes`` each; ``acquire`` hands one out, blocking up to a timeout.
 
-    Thread-safe. ``pin=None`` pins when CUDA is available.
+    Threads: engine threads (offload), loading threads and the store's loop acquire and release; the
+    free list and ``_closed`` change only under the condition ``_cv``. A slab handed out belongs to
+    its holder alone until released. ``slabs``, ``slab_bytes`` and ``pinned`` are set once.
+    ``pin=None`` pins when CUDA is available.
     """
 
     def __init__(self, slab_bytes: int, num_slabs: int, *, pin: bool | None = None) -> None:

@@ -18,6 +18,16 @@ threads only use the synchronous facade:
   abandoned read releases its slab itself when the tier returns. ``LoadResult.stages`` says where
   the time went (``dtkv_restore_stage_seconds``).
 
+Shared state of the store itself, and who touches it:
+
+* ``_pending`` (offload batches and promotions not yet written): engine threads, loading threads
+  and the loop; behind ``_pending_lock`` (``_idle`` waits on it).
+* ``_tasks``, ``_bg_tasks`` and the read gates (``store_reads``): the loop thread only.
+* ``_ttl`` (``policy.Retention`` per tier): the loop and tiers' writer threads (eviction hooks);
+  each has its own lock. ``admission`` (``policy.Admission``): engine and loading threads; its lock.
+* ``_residency`` and the tiers' hooks: replaced whole by ``set_residency`` (hooks are immutable).
+* ``_closed``: set once, under ``_close_lock``; read anywhere (a late engine call is dropped).
+
 A store that is never closed is closed at process exit by ``lifecycle`` (before Python stops its
 thread pools), within ``exit_timeout_s``; ``close`` and ``close_by`` are idempotent and thread-safe.
 

@@ -64,7 +64,9 @@ class LoadStages:
 
 
 class Handoff:
-    """Who releases a load slab: the reader if the caller gave up waiting, else the caller."""
+    """Who releases a load slab: the reader if the caller gave up waiting, else the caller.
+
+    The loop's reader and the calling thread both change it, only under ``lock``."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -74,7 +76,10 @@ class Handoff:
 
 @dataclass
 class ChunkRead:
-    """One chunk of a load: read on the loop (``fut``) or, ``in_place`` = host tier index, on the caller."""
+    """One chunk of a load: read on the loop (``fut``) or, ``in_place`` = host tier index, on the caller.
+
+    ``spans``/``nbytes`` are written by the reader on the loop and read by the caller only after
+    ``fut`` completed (the future orders the two)."""
 
     start: int
     end: int
@@ -451,7 +456,7 @@ class ChunkReads:
             piece = max(piece, getattr(t, "frugal_piece_bytes", None) or piece)
         return max(1, int(par)), max(1, int(piece))
 
-    def _read_gate(self, ti: int) -> asyncio.Semaphore | None:
+    def _read_gate(self, ti: int) -> asyncio.Semaphore | None:  # loop thread only (its map too)
         """A tier with ``read_parallelism`` has at most that many reads in flight across all loads,
         started first come first served: a load's earlier pieces are not slowed down by its
         read-ahead sharing the device with them, so chunks arrive in order (a device shared fairly

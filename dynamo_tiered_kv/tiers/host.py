@@ -8,6 +8,12 @@ around index updates, and copies are done under it too since they are short and 
 ``pin_records`` lets the store verify and scatter records where they lie in the arena (no copy
 into a staging slab): a pinned record's chunks are not reused until ``HostPin.release``, even if
 the key is evicted, overwritten or deleted meanwhile (its bytes then briefly count as free).
+
+Threads: the store's loop writes, reads and deletes; loading threads pin and unpin; engine threads
+ask ``contains``/``size_of``. The index, free list, pin counts and byte count are changed only under
+``_lock``; ``contains`` and ``size_of`` are one dict lookup each without it (atomic under the GIL,
+and the scheduler's hot path must not wait behind a copy). Eviction is reported after the lock is
+released (``residency_hook``, ``on_evict``).
 """
 
 from __future__ import annotations
@@ -74,7 +80,8 @@ class HostTier(Tier):
             return iter(list(self._index))
 
     def usage(self) -> TierUsage:
-        return TierUsage(self._capacity, self._used, len(self._index))
+        with self._lock:  # bytes and count from the same moment
+            return TierUsage(self._capacity, self._used, len(self._index))
 
     # --- I/O (memory copies; cheap enough to run inline on the loop) --------------------------
     async def read_into(self, key: BlockKey, into: memoryview, byte_range: ByteRange | None = None) -> int | None:
