@@ -377,15 +377,15 @@ def test_load_outcomes_holds_a_key_until_every_block_it_touched_is_known() -> No
     from dynamo_tiered_kv.connectors.vllm.load_outcomes import LoadOutcomes
 
     lo = LoadOutcomes()
-    lo.step_built([1, 2])  # step 1 loads blocks 1, 2
+    lo.step_built(1, [1, 2])  # step 1 loads blocks 1, 2
     lo.started([3])  # an asynchronous load into block 3
-    lo.step_built([])  # step 2 loads nothing
+    lo.step_built(2, [])  # step 2 loads nothing
     lo.touch("x", [1, 3, 9])
     lo.touch("y", [9])
     assert lo.settle("y") == frozenset() and len(lo) == 3
-    lo.step_output({2})  # step 1 back: block 2 failed, 1 loaded
+    lo.step_output({2}, 1)  # step 1 back: block 2 failed, 1 loaded
     assert lo.settle("x") is None  # block 3 is still unknown
     lo.finished([3], failed=[3])
     assert lo.settle("x") == {3} and lo.settle("x") == frozenset()  # settled once, then forgotten
-    lo.step_output(set())
+    lo.step_output(set(), 2)
     assert len(lo) == 0

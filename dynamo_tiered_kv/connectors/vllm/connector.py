@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ...config import TieredKVConfig
 from ...errors import ConfigError
 from .identity import engine_identity
-from .metadata import TieredKVMetadata
+from .metadata import StepEcho, TieredKVMetadata
 from .rendezvous import LookupClient, engine_key
 from .scheduler import SchedulerRole, with_recompute_policy
 from .worker import WorkerRole
@@ -122,6 +122,14 @@ class TieredKVConnector(KVConnectorBase_V1):
 
     def get_kv_connector_kv_cache_events(self) -> Any:
         return self._worker.take_kv_events() if self._worker is not None else None
+
+    def build_connector_worker_meta(self) -> StepEcho | None:
+        """Every step, with or without a forward: the number of the step this worker ran, which
+        the scheduler role pairs the step's load outcome with (``load_outcomes``)."""
+        if self._worker is None or not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return StepEcho(meta.step) if isinstance(meta, TieredKVMetadata) and meta.step > 0 else None
 
     def _meta(self) -> TieredKVMetadata:
         meta = self._get_connector_metadata()

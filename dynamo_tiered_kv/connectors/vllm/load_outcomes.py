@@ -9,8 +9,14 @@ have an unknown outcome and, per request ("key"), which of them it computed over
 those failed, so the scheduler can hold that request's saves until every outcome is known.
 
 Synchronous loads use the per-step calls: ``step_built`` as each step's metadata is built and
-``step_output`` as each step's output comes back (vLLM returns them in step order, one per
-step). An asynchronous path calls ``started`` and ``finished`` when it learns an outcome.
+``step_output`` as a step's output comes back. Outputs are paired with steps by the step number
+the scheduler put in the step's metadata and the workers echo back (``metadata.StepEcho``), never
+by counting: vLLM drops the output of a step without a forward whose connector output is empty
+(``EMPTY_MODEL_RUNNER_OUTPUT``), so counts drift. An asynchronous path calls ``started`` and
+``finished`` when it learns an outcome.
+
+Owner: the engine core's scheduler thread only (``build_connector_meta``,
+``update_connector_output`` and ``request_finished`` all run there); nothing here is locked.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ class _Holder:
 
 
 class LoadOutcomes:
+    """Load outcomes and their holders; the scheduler thread's alone (see module docstring)."""
+
     #: steps built but not returned beyond which the oldest is given up on (a missed output):
     #: treated as failed, which stops saves of its holders but never stores garbage
     MAX_STEPS_IN_FLIGHT = 64
@@ -37,7 +45,8 @@ class LoadOutcomes:
     def __init__(self) -> None:
         self._unknown: Counter[int] = Counter()  # block id -> loads of it in flight
         self._holders: dict[str, _Holder] = {}
-        self._steps: deque[tuple[int, ...]] = deque()  # blocks loaded by each step in flight
+        #: (step number, blocks it loads) of each step built whose output is not back, oldest first
+        self._steps: deque[tuple[int, tuple[int, ...]]] = deque()
 
     # --- outcomes --------------------------------------------------------------------------
     def started(self, block_ids: Iterable[int]) -> None:
@@ -58,22 +67,36 @@ class LoadOutcomes:
                 h.failed |= hit & bad
                 h.waiting -= {b for b in hit if b not in self._unknown}
 
-    def step_built(self, loaded_block_ids: Iterable[int]) -> None:
-        """A step's metadata was built, loading ``loaded_block_ids`` (possibly none)."""
+    def step_built(self, step: int, loaded_block_ids: Iterable[int]) -> None:
+        """Step ``step`` (increasing) was built, loading ``loaded_block_ids`` (possibly none)."""
         ids = tuple(loaded_block_ids)
         self.started(ids)
-        self._steps.append(ids)
+        self._steps.append((step, ids))
         if len(self._steps) > self.MAX_STEPS_IN_FLIGHT:
-            oldest = self._steps.popleft()
-            log.warning("no output for a step %d steps ago; treating its %d loaded blocks as failed",
-                        self.MAX_STEPS_IN_FLIGHT, len(oldest))
-            self.finished(oldest, oldest)
+            self._give_up(self._steps.popleft(), f"no output for {self.MAX_STEPS_IN_FLIGHT} steps")
 
-    def step_output(self, invalid_block_ids: Iterable[int]) -> None:
-        """The oldest step in flight returned; ``invalid_block_ids`` failed to load on some rank."""
-        if not self._steps:
+    def step_output(self, invalid_block_ids: Iterable[int], step: int | None) -> None:
+        """Step ``step`` returned; ``invalid_block_ids`` failed to load on some rank.
+
+        Outputs come back in step order, so a step older than ``step`` still in flight never
+        returns: its loads count as failed. ``step`` None (an output without the workers' echo,
+        which only an engine that drops connector worker metadata sends): the oldest step.
+        """
+        if step is None:
+            if self._steps:
+                self.finished(self._steps.popleft()[1], invalid_block_ids)
             return
-        self.finished(self._steps.popleft(), invalid_block_ids)
+        while self._steps and self._steps[0][0] < step:
+            self._give_up(self._steps.popleft(), f"step {step} returned first")
+        if self._steps and self._steps[0][0] == step:
+            self.finished(self._steps.popleft()[1], invalid_block_ids)
+
+    def _give_up(self, entry: tuple[int, tuple[int, ...]], why: str) -> None:
+        step, ids = entry
+        if ids:
+            log.warning("no output for step %d (%s); treating its %d loaded blocks as failed", step, why,
+                        len(ids))
+        self.finished(ids, ids)
 
     def is_unknown(self, block_id: int) -> bool:
         return block_id in self._unknown

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-try:  # the base class lives in vLLM; keep this module importable without it (unit tests)
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+try:  # the base classes live in vLLM; keep this module importable without it (unit tests)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 except ImportError:  # pragma: no cover - only without vLLM
     class KVConnectorMetadata:  # type: ignore[no-redef]
+        pass
+
+    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
         pass
 
 
@@ -55,3 +58,19 @@ class TieredKVMetadata(KVConnectorMetadata):
     #: nothing is scheduled this step (every request waits for its restore): the worker may block
     #: briefly in ``get_finished`` instead of letting the engine loop spin on the GIL
     idle: bool = False
+    #: the scheduler's number for this step (from 1; 0: unnumbered), echoed back in ``StepEcho``
+    step: int = 0
+
+
+@dataclass
+class StepEcho(KVConnectorWorkerMetadata):
+    """What every worker sends back each step (``KVConnectorOutput.kv_connector_worker_meta``):
+    the number of the step it ran, so the scheduler pairs the step's output with the step it
+    built. It also keeps the output non-empty, so vLLM hands every step's output to the
+    connector, a step without a forward included."""
+
+    step: int
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        # Every rank runs the same step; were they ever to differ, the older one is answered.
+        return StepEcho(min(self.step, other.step)) if isinstance(other, StepEcho) else self

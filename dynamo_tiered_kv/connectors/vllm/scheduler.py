@@ -42,7 +42,7 @@ from ...config import TieredKVConfig
 from ...keys import ROOT_KEY, Namespace, block_key, scope_salt
 from .identity import lora_scopes
 from .load_outcomes import LoadOutcomes
-from .metadata import LoadSpec, SaveSpec, TieredKVMetadata
+from .metadata import LoadSpec, SaveSpec, StepEcho, TieredKVMetadata
 from .rendezvous import LookupClient
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,8 @@ class SchedulerRole:
         self.kv_events = kv_events
         self._events: list[Any] = []  # engine-wide events not yet taken (ResidencyLedger output)
         self._ledger: Any = None  # events.ResidencyLedger, created with the first events
-        self._outcomes = LoadOutcomes()
+        self._outcomes = LoadOutcomes()  # scheduler thread only, like every hook of this role
+        self._step = 0  # number of the last step built (TieredKVMetadata.step)
         self._reset_pending = False
         self.load_async = config.load_async
         self._async: dict[str, _AsyncLoad] = {}  # asynchronous loads not yet reported finished
@@ -157,8 +158,9 @@ class SchedulerRole:
         st.saved = max(st.saved, local_blocks + ext_blocks)
 
     def build_connector_meta(self, scheduler_output: Any) -> TieredKVMetadata:
+        self._step += 1
         meta = TieredKVMetadata(reset_cache=self._reset_pending,
-                                idle=not any(scheduler_output.num_scheduled_tokens.values()))
+                                idle=not any(scheduler_output.num_scheduled_tokens.values()), step=self._step)
         self._reset_pending = False
         loading: list[int] = []  # engine blocks restored synchronously in this step
         meta.loads, self._orphans = self._orphans, []
@@ -174,7 +176,7 @@ class SchedulerRole:
                 self._async[spec.req_id] = _AsyncLoad(list(spec.block_ids), st.load_first)
             else:
                 loading.extend(spec.block_ids)
-        self._outcomes.step_built(loading)
+        self._outcomes.step_built(self._step, loading)
         computed: dict[str, int] = {}
         for nr in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(nr.req_id)
@@ -242,9 +244,10 @@ class SchedulerRole:
         return False
 
     def update_connector_output(self, connector_output: Any) -> None:
-        # One output per built step, in step order: the oldest step's load outcome is now known.
+        # The workers name the step this output is for (StepEcho): its load outcome is now known.
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
-        self._outcomes.step_output(invalid)
+        echo = getattr(connector_output, "kv_connector_worker_meta", None)
+        self._outcomes.step_output(invalid, echo.step if isinstance(echo, StepEcho) else None)
         if self._async:
             self._async_outcomes(invalid, getattr(connector_output, "finished_recving", None) or ())
         events = getattr(connector_output, "kv_cache_events", None)
