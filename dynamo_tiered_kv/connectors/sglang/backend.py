@@ -11,6 +11,11 @@ the scheduler's forward loop:
   allocated. A missing, corrupt or late page ends the run: it and every later page are reported
   failed, and SGLang recomputes from there. Nothing here raises into SGLang for a tier fault.
 
+Invalidation: SGLang's cache flush (every weight update, ``/flush_cache``) resets its radix tree
+and clears the host pool registered here, but never calls ``clear()``; only
+``/clear_hicache_storage_backend`` does. So registration wraps the host pool's ``clear`` too:
+both move the key epoch (``epoch.KeyEpoch``), which every rank derives alike.
+
 Only the zero-copy interface is served (``"interface_v1": 1``); the legacy per-tensor
 ``get``/``set`` calls return misses and log once why. Hybrid models' extra pools (``*_v2``) are
 not supported.
@@ -19,7 +24,6 @@ not supported.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -32,7 +36,8 @@ from ...factory import build_store, check_record_fits
 from ...keys import ROOT_KEY, BlockKey, Namespace
 from ...layout import EngineLayout
 from ...store import TieredStore
-from .identity import model_identity, namespace_for, page_keys, ranks_of, split_extra_config
+from .epoch import KeyEpoch, launch_token, served_weight_version
+from .identity import model_identity, namespace_for, page_keys, published_server_args, ranks_of, split_extra_config
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +56,16 @@ class TieredHiCacheStorage(HiCacheStorage):
         self.ranks = ranks_of(storage_config)
         self.is_mla = bool(storage_config.is_mla_model)
         self.is_writer = bool(getattr(storage_config, "is_storage_writer", True))
-        self.model_id = model_identity(storage_config.model_name, self.config.model_id or "")
+        self.server_args = published_server_args()
+        if self.server_args is None:
+            log.warning("dynamo_tiered_kv: no ServerArgs published in this process; the model identity is the "
+                        "model name alone (quantization, revision and overrides are not told apart)")
+        self.model_id = model_identity(storage_config.model_name, self.config.model_id or "", self.server_args)
         self.store: TieredStore | None = None
         self.layout: EngineLayout | None = None
         self.namespace: Namespace | None = None
         self.page_size = 0
-        self._epoch = b""
+        self._epoch = KeyEpoch(launch_token())
         self._lock = threading.Lock()  # store construction and close
         self._warned_legacy = False
 
@@ -76,12 +85,28 @@ class TieredHiCacheStorage(HiCacheStorage):
             check_record_fits(self.config, layout.shape, "page")
             self.store = build_store(self.config, ns, rank=self.ranks.process_rank)
             self.layout, self.namespace, self.page_size = layout, ns, int(mem_pool_host.page_size)
+            self._clear_on_flush(mem_pool_host)
             log.info("dynamo_tiered_kv SGLang backend: host layout %s -> %s, %d pages, tiers %s",
                      mem_pool_host.layout, layout.shape, layout.num_blocks, [t.name for t in self.store.tiers])
 
-    def keys_of(self, page_hashes: Sequence[str]) -> list[BlockKey]:
+    def _clear_on_flush(self, pool: Any) -> None:
+        """SGLang's flush ends in ``UnifiedRadixCache._reset_full`` -> ``mem_pool_host.clear()`` (after
+        the cache controller joined its storage threads) on every rank: invalidate there too."""
+        flush = pool.clear
+
+        def clear_and_invalidate(*args: Any, **kwargs: Any) -> Any:
+            out = flush(*args, **kwargs)
+            try:
+                self.clear()
+            except Exception:
+                log.exception("invalidating stored pages after SGLang's cache flush failed")
+            return out
+
+        pool.clear = clear_and_invalidate
+
+    def keys_of(self, page_hashes: Sequence[str], epoch: bytes | None = None) -> list[BlockKey]:
         assert self.namespace is not None
-        return page_keys(self.namespace, page_hashes, self._epoch)
+        return page_keys(self.namespace, page_hashes, self._epoch.value if epoch is None else epoch)
 
     def _pages(self, host_indices: torch.Tensor, n: int) -> list[int] | None:
         """Host page of each of ``n`` keys: the token index that starts it, over ``page_size``."""
@@ -127,18 +152,19 @@ class TieredHiCacheStorage(HiCacheStorage):
             return []
         if not self.is_writer:  # MLA: another rank writes the one shared copy
             return [True] * len(keys)
-        store, layout = self.store, self.layout
-        pages = self._pages(host_indices, len(keys)) if store is not None else None
-        if store is None or layout is None or pages is None:
-            return [False] * len(keys)
-        prefix = list(extra_info.prefix_keys or []) if extra_info is not None else []
-        try:
-            chain = self.keys_of(prefix[-1:] + keys)
-            parents = [*chain[:-1]] if prefix else [ROOT_KEY, *chain[:-1]]
-            ok = store.submit_offload(layout, pages, chain[-len(keys):], parents, first_index=len(prefix))
-        except Exception:
-            log.exception("offload of %d pages failed; they stay unsaved", len(keys))
-            ok = False
+        with self._epoch.setting() as epoch:  # pages of a set begun before a reset keep the old epoch
+            store, layout = self.store, self.layout
+            pages = self._pages(host_indices, len(keys)) if store is not None else None
+            if store is None or layout is None or pages is None:
+                return [False] * len(keys)
+            prefix = list(extra_info.prefix_keys or []) if extra_info is not None else []
+            try:
+                chain = self.keys_of(prefix[-1:] + keys, epoch)
+                parents = [*chain[:-1]] if prefix else [ROOT_KEY, *chain[:-1]]
+                ok = store.submit_offload(layout, pages, chain[-len(keys):], parents, first_index=len(prefix))
+            except Exception:
+                log.exception("offload of %d pages failed; they stay unsaved", len(keys))
+                ok = False
         return [ok] * len(keys)
 
     def exists(self, key: str) -> bool:
@@ -170,11 +196,12 @@ class TieredHiCacheStorage(HiCacheStorage):
 
     # --- lifecycle ---------------------------------------------------------------------------
     def clear(self) -> None:
-        """SGLang's cache flush (e.g. after a weight update): a new key epoch makes every stored page
-        unreachable and this node's host and SSD pages are dropped (``cache_reset: keep`` ignores it)."""
+        """SGLang's ``/clear_hicache_storage_backend`` and, through the host pool, every cache flush
+        (weight updates included): the next key epoch makes every stored page unreachable and this
+        node's host and SSD pages are dropped (``cache_reset: keep`` ignores it)."""
         if self.config.cache_reset == "keep" or self.store is None:
             return
-        self._epoch = os.urandom(16)
+        self._epoch.advance(served_weight_version())
         self.store.drop_local()
 
     def close(self) -> None:

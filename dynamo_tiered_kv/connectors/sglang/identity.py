@@ -2,9 +2,11 @@
 
 SGLang hands the backend page hashes (strings; each already chains its whole token prefix), a
 ``HiCacheStorageConfig`` (parallel ranks, model name, MLA or not) and its host pool (dtype,
-geometry, layout). The ``Namespace`` pins what makes the bytes interchangeable: model identity
-(with the weights fingerprint of a local checkpoint, as ``connectors/vllm/identity.py``), KV
-dtype, canonical layout and shape, TP rank and size, pipeline stage, and the tenant salt. A key is
+geometry, layout); the scheduler process also publishes its ``ServerArgs``. The ``Namespace`` pins
+what makes the bytes interchangeable: model identity (every ``identity:`` field of
+``server_args_table``, the hub snapshot commit of a hub model without a pinned commit, the
+weights fingerprint of a local checkpoint, as ``connectors/vllm/identity.py``), KV dtype,
+canonical layout and shape, TP rank and size, pipeline stage, and the tenant salt. A key is
 ``engine_block_key(namespace, ROOT_KEY, epoch + page_hash)``, the vLLM worker's rule for
 engine-supplied hashes, so tenants and models can never read each other's pages.
 
@@ -14,14 +16,25 @@ TP rank 0 of 1 and every rank reads the one copy.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigError
 from ...keys import ROOT_KEY, BlockKey, Namespace, engine_block_key
 from ...layout import BlockShape
 from ..vllm.identity import weights_fingerprint
+from .server_args_table import IDENTITY, SERVER_ARGS_FIELDS
+
+__all__ = ["SERVER_ARGS_FIELDS", "hub_commit", "model_identity", "namespace_for", "page_keys", "published_server_args",
+           "ranks_of", "server_identity", "split_extra_config"]
+
+log = logging.getLogger(__name__)
 
 #: keys of SGLang's ``--hicache-storage-backend-extra-config`` that SGLang itself reads
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "enable_metadata_cache",
@@ -56,13 +69,75 @@ def ranks_of(storage_config: Any) -> Ranks:
                  int(storage_config.pp_size), int(getattr(storage_config, "dp_rank", 0) or 0))
 
 
-def model_identity(model_name: str | None, override: str = "") -> str:
-    """``model_id`` override or SGLang's model name, plus the weights fingerprint of a local checkpoint."""
+def model_identity(model_name: str | None, override: str = "", server_args: Any = None) -> str:
+    """``model_id`` override or SGLang's model name, plus the server's KV identity (``server_identity``)
+    and the weights fingerprint of a local checkpoint."""
     base = override or model_name or ""
     if not base:
         raise ConfigError("SGLang gave no model name: set model_id in the backend's extra config")
-    fp = weights_fingerprint(model_name) if model_name else ""
-    return f"{base}|weights={fp}" if fp else base
+    parts = [base]
+    if server_args is not None:
+        parts.append(server_identity(server_args, with_path=not override))
+    model = _field(server_args, "model_path") if server_args is not None else model_name
+    fp = weights_fingerprint(str(model)) if model else ""
+    if fp:
+        parts.append(f"weights={fp}")
+    return "|".join(parts)
+
+
+def published_server_args() -> Any:
+    """The ``ServerArgs`` SGLang published in this scheduler process, or None outside one."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return get_server_args()
+    except (ImportError, ValueError):
+        return None
+
+
+def server_identity(server_args: Any, *, with_path: bool = True) -> str:
+    """``sglang=<digest>`` over every ``identity:`` field as SGLang resolved it, plus ``commit=<sha>``
+    for a hub model. ``with_path=False`` (a ``model_id`` override) leaves out the model path, so
+    nodes that mount one checkpoint under different paths share KV; the commit and the weights
+    fingerprint still tell other weights apart."""
+    values = {name: _field(server_args, name) for name in sorted(IDENTITY) if with_path or name != "model_path"}
+    blob = json.dumps(values, sort_keys=True, separators=(",", ":"), default=str).encode()
+    out = f"sglang={hashlib.blake2b(blob, digest_size=8, person=b'dtkv-sgl-args').hexdigest()}"
+    commit = hub_commit(str(_field(server_args, "model_path") or ""), _field(server_args, "revision"),
+                        _field(server_args, "download_dir"))
+    return f"{out}|commit={commit}" if commit else out
+
+
+def _field(server_args: Any, name: str) -> Any:
+    """A field as SGLang's resolution left it (``auto`` dtypes, derived sizes), else as given."""
+    try:
+        from sglang.srt.arg_groups.overrides import resolution_result
+
+        return resolution_result(server_args, name, None)
+    except ImportError:
+        return getattr(server_args, name, None)
+
+
+def hub_commit(model: str, revision: str | None, cache_dir: str | None = None) -> str:
+    """The snapshot commit a hub model's revision (``main`` when none) resolves to in the local
+    Hugging Face cache, which SGLang filled before the backend starts; "" for a local path, and
+    the revision itself when it already is a commit. A moving branch then names its weights."""
+    if not model or Path(model).exists():
+        return ""
+    if revision and re.fullmatch(r"[0-9a-f]{40}", revision):
+        return revision
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return ""
+    repo = Path(cache_dir or constants.HF_HUB_CACHE) / f"models--{model.replace('/', '--')}"
+    ref = repo / "refs" / (revision or "main")
+    try:
+        return ref.read_text().strip()
+    except OSError:
+        log.warning("no snapshot of %s@%s in the Hugging Face cache: the identity names the revision, not "
+                    "its commit", model, revision or "main")
+        return ""
 
 
 def namespace_for(shape: BlockShape, *, model_id: str, kv_dtype: str, ranks: Ranks, is_mla: bool,
