@@ -2,8 +2,9 @@
 and exposes ``register(subparsers)``, which adds its parser and sets ``func(args) -> int``.
 
 Errors reach the user as one line on stderr and a non-zero exit: 2 for the expected kinds
-(settings, files, the object store), 1 for anything else. ``--debug`` or ``DTKV_DEBUG=1`` shows
-the traceback instead.
+(settings, files, the object store), 1 for anything else unless the command names its own code
+(``set_defaults(internal_error_exit=N)``: ``fsck``, where 1 means corruption). ``--debug`` or
+``DTKV_DEBUG=1`` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pkgutil
 import sys
 
 from . import __version__, commands
+from .commands._deferred import DeferredParser
 from .errors import TieredKVError
 
 
@@ -24,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"dtkv {__version__}", help="print the version")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     p.add_argument("--debug", action="store_true", help="show tracebacks of errors (also DTKV_DEBUG=1)")
-    sub = p.add_subparsers(dest="command", required=True)
+    # each command adds its arguments when it runs (commands/_deferred.py): no command's imports slow another
+    sub = p.add_subparsers(dest="command", required=True, parser_class=DeferredParser)
     for mod in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         if not mod.name.startswith("_"):
             importlib.import_module(f"{commands.__name__}.{mod.name}").register(sub)
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"dtkv {args.command}: internal error: {type(e).__name__}: {' '.join(str(e).split())} "
               "(--debug or DTKV_DEBUG=1 shows the traceback)", file=sys.stderr)
-        return 1
+        return int(getattr(args, "internal_error_exit", 1))
 
 
 if __name__ == "__main__":

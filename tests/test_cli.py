@@ -41,6 +41,7 @@ def _missing_help(p: argparse.ArgumentParser, path: str) -> list[str]:
         if isinstance(a, argparse._SubParsersAction):
             helps = {c.dest: c.help for c in a._choices_actions}
             for name, sp in a.choices.items():
+                sp.complete()  # a command adds its arguments on first use (commands/_deferred.py)
                 if not helps.get(name):
                     out.append(f"{path} {name} (subcommand)")
                 out += _missing_help(sp, f"{path} {name}")
@@ -70,11 +71,14 @@ def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
                           env={**os.environ, **(env or {})}, timeout=120)
 
 
-def test_error_is_one_line_and_nonzero() -> None:
-    proc = _run_cli("demo", "--dir", "/proc/forbidden")
-    assert proc.returncode != 0
+@pytest.mark.parametrize("where", ["/proc/forbidden", "/proc/self", "/etc/hostname", "/etc/hostname/sub"])
+def test_unusable_demo_dir_is_one_line_saying_what_to_do(where: str) -> None:
+    """Missing parent, a directory nobody can write, a file, a path below a file."""
+    proc = _run_cli("demo", "--dir", where)
+    assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dtkv demo: error:") and "/proc/forbidden" in lines[0], proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"dtkv demo: error: --dir {where}: "), proc.stderr
+    assert "give a writable directory" in lines[0] and "leave --dir out" in lines[0]
     assert "Traceback" not in proc.stderr
 
 
@@ -97,6 +101,41 @@ def test_set_typo_suggests(capsys: pytest.CaptureFixture[str]) -> None:
     assert dtkv(["gc", "file:///nonexistent", "--set", "object_ttl=5"]) == 2
     err = capsys.readouterr().err
     assert "object_ttl: unknown setting (did you mean object_ttl_s?)" in err
+
+
+def test_help_imports_no_torch() -> None:
+    """``dtkv --help`` and a light command's help stay fast: no command's heavy imports run."""
+    code = ("import sys; from dynamo_tiered_kv.cli import main\n"
+            "for argv in (['--help'], ['gc', '--help'], ['fsck', '--help']):\n"
+            "    try: main(argv)\n"
+            "    except SystemExit: pass\n"
+            "print('loaded:', sorted({'torch', 'vllm', 'sglang'} & {m.split('.')[0] for m in sys.modules}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "loaded: []"
+    assert "{bench,demo,fsck,gc,plan}" in out.stdout
+
+
+def test_fsck_exit_codes_tell_corruption_from_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    import dynamo_tiered_kv.tiers.ssd.fsck as ssd_fsck
+
+    (tmp_path / "rank-000").mkdir()
+
+    def broken(path: Path) -> None:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(ssd_fsck, "fsck_dir", broken)
+    assert dtkv(["fsck", str(tmp_path)]) == 3  # not 1: that means corruption
+    assert "dtkv fsck: internal error: RuntimeError: bug" in capsys.readouterr().err
+    assert dtkv(["gc", "--set", "object_url=file:///x", "--set", "object_ttl_s=bad"]) == 2
+    with pytest.raises(SystemExit) as usage:
+        dtkv(["fsck", "--no-such-flag"])
+    assert usage.value.code == 2
+    with pytest.raises(SystemExit):
+        dtkv(["fsck", "--help"])
+    helptext = capsys.readouterr().out
+    assert "1  corruption found" in helptext and "3  internal error" in helptext
 
 
 # --- one configuration language ------------------------------------------------------------------

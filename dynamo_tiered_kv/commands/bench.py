@@ -15,10 +15,15 @@ from typing import Any
 
 from .. import bench
 from ..bench import report
+from ._deferred import defer
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks: each data path against its raw ceiling in the same run")
+    defer(p, _add_benches)  # importing every bench module costs seconds (torch): only for `dtkv bench`
+
+
+def _add_benches(p: argparse.ArgumentParser) -> None:
     paths = p.add_subparsers(dest="bench_path", required=True)
     for mod in sorted(pkgutil.iter_modules(bench.__path__), key=lambda m: m.name):
         if mod.name.startswith("_"):

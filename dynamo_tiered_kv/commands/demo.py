@@ -21,6 +21,7 @@ The run ends with one summary line; the work directory is removed unless ``--dir
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shutil
@@ -30,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from ..errors import ConfigError
 
 BLOCK_SIZE = 64
 TOP_LOGPROBS = 5
@@ -68,6 +71,8 @@ def _extra_config(work: Path, *, host: bool) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     if args.phase:
         return _phase(args)
+    if args.dir is not None:
+        _check_dir(args.dir)
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -90,6 +95,22 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"dtkv demo: {where}", file=sys.stderr)
     return rc
+
+
+def _check_dir(path: Path) -> None:
+    """Refuse an unusable ``--dir`` before minutes of engine start-up, saying what to do."""
+    step = "cannot create it"
+    try:
+        if path.exists() and not path.is_dir():
+            step = "it exists and is no directory"
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        path.mkdir(parents=True, exist_ok=True)
+        step = "cannot write a file in it"
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--dir {path}: {step} ({e.strerror or type(e).__name__}); give a writable directory "
+                          "(created if missing) or leave --dir out to use a temporary one") from e
 
 
 def _work_note(work: Path, keep: bool) -> str:

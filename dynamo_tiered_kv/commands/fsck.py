@@ -4,10 +4,11 @@ TARGET is an SSD tier directory (its root or one ``rank-*`` directory) or an obj
 (``s3://bucket/prefix``, ``file://...``), checked by ``tiers.objectstore.fsck.fsck_backend``;
 without TARGET, the ``object_url`` setting, else ``ssd_dir``. S3 endpoint and credentials are the
 connector's settings (flags, ``DYN_TIERED_KV_*`` env vars, ``--config`` / ``DYN_TIERED_KV_CONFIG_FILE``).
-Exit codes: 0 clean (warnings allowed), 1 corruption found, 2 cannot check.
 For SSD directories only a torn tail of a rank's newest segment is a warning; damage anywhere
 else, including a truncated older segment, is corruption (rules: docs/SSD.md section 4).
+Exit codes: ``EXIT_CODES`` below (shown by ``dtkv fsck --help``).
 """
+
 
 from __future__ import annotations
 
@@ -26,15 +27,22 @@ if TYPE_CHECKING:
     from ..tiers.objectstore.fsck import FsckReport
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+EXIT_CODES = """exit codes:
+  0  clean (warnings allowed)
+  1  corruption found (each corrupt record is named)
+  2  cannot check: bad arguments or settings, no such directory or no tier data, store unreachable
+  3  internal error of dtkv fsck (a bug: --debug shows the traceback)"""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("fsck", help="verify every record of an SSD tier directory (or an object-tier URL)")
+    p = sub.add_parser("fsck", help="verify every record of an SSD tier directory (or an object-tier URL)",
+                       description="Verify every stored record; name each corrupt one.", epilog=EXIT_CODES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", nargs="?", help="SSD tier directory, or an object-tier URL such as s3://bucket/prefix "
                    "(default: the object_url setting, else ssd_dir)")
     p.add_argument("--json", action="store_true", help="print one JSON report")
     settings_cli.add_arguments(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, internal_error_exit=3)  # 1 means corruption: a crash must not look like it
 
 
 def run(args: argparse.Namespace) -> int:

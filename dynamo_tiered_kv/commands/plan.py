@@ -8,13 +8,14 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-from ..plan import format_text, plan, scenario, to_dict
-from ..plan.hardware import GB, GIB, GPUS, HOURS_PER_MONTH, TB, gpu
-from ..plan.model import Scenario
-from ..plan.models import DTYPES, PRESETS, ModelSpec, preset
-from ..plan.scenarios import SCENARIOS
+from ._deferred import defer
+
+if TYPE_CHECKING:
+    from ..plan.model import Scenario
+    from ..plan.models import ModelSpec
 
 _TIER_OF = {"hbm": "HBM", "dram": "DRAM", "ssd": "SSD", "hdd": "HDD-S3", "s3": "HDD-S3"}
 
@@ -64,6 +65,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="capacity (minutes of context), cost per month and restore-vs-recompute TTFT per tier",
         description=__doc__,
     )
+    defer(p, _add_arguments)  # the model presets import the codec (torch): only for `dtkv plan`
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..plan.hardware import GPUS
+    from ..plan.models import DTYPES, PRESETS
+    from ..plan.scenarios import SCENARIOS
+
     pos, pint = _positive(float), _positive(int)
     g = p.add_argument_group("scenario")
     g.add_argument("--preset", choices=sorted(SCENARIOS), help="start from a named scenario (seed: the seed study)")
@@ -106,6 +115,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _model(args: argparse.Namespace, base: ModelSpec) -> tuple[ModelSpec, list[str]]:
+    from ..plan.models import ModelSpec, preset
+
     custom = [args.layers, args.kv_heads, args.head_size]
     notes: list[str] = []
     if args.model and any(v is not None for v in custom):
@@ -128,6 +139,8 @@ def _model(args: argparse.Namespace, base: ModelSpec) -> tuple[ModelSpec, list[s
 
 
 def _override_tiers(s: Scenario, args: argparse.Namespace, prices: dict[str, float]) -> tuple:
+    from ..plan.hardware import GIB, TB
+
     tiers = []
     for t in s.tiers:
         if t.name == "DRAM":
@@ -153,6 +166,9 @@ def _override_tiers(s: Scenario, args: argparse.Namespace, prices: dict[str, flo
 
 def build_scenario(args: argparse.Namespace) -> Scenario:
     """The Scenario the flags describe: the preset (or the default), then each flag given."""
+    from ..plan import scenario
+    from ..plan.hardware import GB, HOURS_PER_MONTH, gpu
+
     s = scenario(args.preset or "default")
     overridden = [
         f"--{k.replace('_', '-')}"
@@ -200,6 +216,8 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..plan import format_text, plan, to_dict
+
     try:
         result = plan(build_scenario(args))
     except ConfigError as exc:
