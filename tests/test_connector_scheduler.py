@@ -389,3 +389,22 @@ def test_load_outcomes_holds_a_key_until_every_block_it_touched_is_known() -> No
     assert lo.settle("x") == {3} and lo.settle("x") == frozenset()  # settled once, then forgotten
     lo.step_output(set(), 2)
     assert len(lo) == 0
+
+
+def test_load_outcomes_pairs_outputs_by_step_number_not_by_count(caplog) -> None:
+    from dynamo_tiered_kv.connectors.vllm.load_outcomes import LoadOutcomes
+
+    lo = LoadOutcomes()
+    lo.step_built(1, [])  # a step without a forward whose output vLLM never hands back
+    lo.step_built(2, [5, 6])
+    lo.touch("x", [5, 6])
+    lo.step_output({6}, 2)  # step 2's failure is step 2's, though step 1 never returned
+    assert lo.settle("x") == {6} and len(lo) == 0
+    assert not caplog.records  # a lost step that loaded nothing is no loss
+    lo.step_built(3, [7])
+    lo.step_built(4, [8])
+    lo.touch("y", [7, 8])
+    lo.step_output(set(), 4)  # outputs come in step order: step 3's never will
+    assert lo.settle("y") == {7} and "no output for step 3" in caplog.text
+    lo.step_output({9}, 3)  # a late or repeated answer for a step already settled changes nothing
+    assert len(lo) == 0
