@@ -15,8 +15,8 @@ Rules, in order:
    blocks before it survived, so protecting it beyond them would hold capacity for nothing.
 
 The plan is computed per range: directives (at most 128) cut the token axis into a few hundred
-pieces; only blocks that straddle a cut are looked at one by one. A plan of a million blocks
-costs as much as a plan of ten.
+pieces; only blocks that straddle a cut are looked at one by one, so the cost follows the
+directives, not the blocks (docs/SESSIONS.md has the measurements).
 """
 
 from __future__ import annotations
@@ -113,12 +113,18 @@ def _token_ranges(directives: Iterable[RetainDirective], prompt: int, total: int
 def _token_levels(ranges: list[tuple[int, int, BlockRetention]], limit: int) -> tuple[list[int], list[Level]]:
     """Cut [0, limit) at every range edge; the strongest level of each piece (rule 1)."""
     cuts = sorted({0, limit, *(a for a, _, _ in ranges), *(b for _, b, _ in ranges)})
+    by_start = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+    active: set[int] = set()  # sweep: only the ranges over the current piece are compared
+    nxt = 0
     levels: list[Level] = []
     for lo in cuts[:-1]:
+        while nxt < len(by_start) and ranges[by_start[nxt]][0] <= lo:
+            active.add(by_start[nxt])
+            nxt += 1
+        active = {i for i in active if ranges[i][1] > lo}
         level: Level = None
-        for a, b, lv in ranges:
-            if a <= lo < b:
-                level = _stronger(level, lv)
+        for i in active:
+            level = _stronger(level, ranges[i][2])
         levels.append(level)
     return cuts, levels
 
