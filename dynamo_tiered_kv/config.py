@@ -5,7 +5,9 @@ Sources, highest priority first: explicit keyword arguments / a mapping (vLLM's
 (``DYN_TIERED_KV_CONFIG_FILE`` or ``TieredKVConfig.from_yaml``), then the defaults below.
 One rule for every source: an unknown name (keyword, ``DYN_TIERED_KV_*`` variable, YAML key) is
 refused with a ``ConfigError`` naming it and the closest known name; every error names its field
-and fits on one line; secrets never appear in ``repr``. Parse once, at start; nothing deeper in
+and where its value came from (the caller's mapping, the env var, the YAML file) and fits on one
+line; secrets never appear in ``repr``. Every ``*_bytes`` setting takes a size (``16Gi``,
+``512MiB``, ``100GB``: ``sizes.py``) or an integer. Parse once, at start; nothing deeper in
 the code reads raw dicts.
 """
 
@@ -19,14 +21,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from .errors import ConfigError
+from .sizes import parse_size
 
 ENV_PREFIX = "DYN_TIERED_KV_"
 ENV_CONFIG_FILE = ENV_PREFIX + "CONFIG_FILE"
 _yaml_file: ContextVar[Path | None] = ContextVar("_yaml_file", default=None)
+# what to call the keyword values in an error: one name for all, or one per setting
+_given_as: ContextVar[str | Mapping[str, str]] = ContextVar("_given_as", default="keyword arguments")
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -107,6 +112,13 @@ class TieredKVConfig(BaseSettings):
         None, ge=0, le=65535, description="serve Prometheus metrics on this port + TP rank (0: any free port)"
     )
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _parse_sizes(cls, v: Any, info: ValidationInfo) -> Any:
+        if info.field_name and info.field_name.endswith("_bytes") and isinstance(v, str):
+            return parse_size(v)
+        return v
+
     @field_validator("object_url")
     @classmethod
     def _check_object_url(cls, v: str | None) -> str | None:
@@ -136,28 +148,38 @@ class TieredKVConfig(BaseSettings):
     # --- every way in turns a failure into one ConfigError line naming the field ---------------
     def __init__(self, **values: Any) -> None:
         # checked before pydantic runs: its own message for these is a multi-line ValidationError
-        problems = unknown_names(
-            (k for k in values if not k.startswith("_")), sorted(type(self).model_fields), what="setting"
-        )
+        known = sorted(type(self).model_fields)
+        problems = [p for k in values if not k.startswith("_")
+                    for p in unknown_names([k], known, what="setting", where=source_of(k, values))]
         problems += _unknown_env()
         if problems:
             raise ConfigError("invalid dynamo-tiered-kv config: " + "; ".join(problems))
         try:
             super().__init__(**values)
         except ValidationError as e:
-            raise ConfigError(_describe(e)) from None
+            raise ConfigError(_describe(e, values)) from None
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any] | None = None) -> TieredKVConfig:
-        """Build from a dict (e.g. ``kv_connector_extra_config``), env vars and the YAML file."""
-        return cls(**dict(data or {}))
+    def from_mapping(
+        cls, data: Mapping[str, Any] | None = None, *, source: str | Mapping[str, str] = "kv_connector_extra_config"
+    ) -> TieredKVConfig:
+        """Build from a dict (e.g. ``kv_connector_extra_config``), env vars and the YAML file.
+
+        ``source`` names the dict in errors: one name, or one per setting (``dtkv``: its flags)."""
+        token = _given_as.set(source)
+        try:
+            return cls(**dict(data or {}))
+        finally:
+            _given_as.reset(token)
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str], **overrides: Any) -> TieredKVConfig:
+    def from_yaml(
+        cls, path: str | os.PathLike[str], *, source: str | Mapping[str, str] = "keyword arguments", **overrides: Any
+    ) -> TieredKVConfig:
         """Settings from a YAML file (ranked like ``DYN_TIERED_KV_CONFIG_FILE``: env vars override it)."""
         token = _yaml_file.set(Path(path))
         try:
-            return cls.from_mapping(overrides)
+            return cls.from_mapping(overrides, source=source)
         finally:
             _yaml_file.reset(token)
 
@@ -208,10 +230,30 @@ def read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _describe(e: ValidationError) -> str:
+def source_of(name: str, given: Mapping[str, Any]) -> str:
+    """Where the value of setting ``name`` came from, by the precedence of the sources."""
+    if name in given:
+        label = _given_as.get()
+        return label if isinstance(label, str) else label.get(name, "keyword arguments")
+    env = ENV_PREFIX + name.upper()
+    if env in os.environ:
+        return env
+    path = _yaml_file.get() or os.environ.get(ENV_CONFIG_FILE)
+    if path:
+        try:
+            if name in read_yaml(Path(path)):
+                return f"config file {path}"
+        except ConfigError:
+            pass
+    return "default"
+
+
+def _describe(e: ValidationError, given: Mapping[str, Any]) -> str:
     parts = []
     for err in e.errors():
         field = ".".join(str(x) for x in err["loc"]) or "<config>"
         msg = err["msg"] if err["type"] != "extra_forbidden" else "unknown setting"
-        parts.append(f"{field}: {' '.join(str(msg).split())}")
+        msg = " ".join(str(msg).split()).removeprefix("Value error, ")
+        where = f" (from {source_of(str(err['loc'][0]), given)})" if err["loc"] else ""
+        parts.append(f"{field}{where}: {msg}")
     return "invalid dynamo-tiered-kv config: " + "; ".join(parts)

@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", metavar="FILE", type=Path,
                    help=f"YAML settings file, as the connector reads it (default ${ENV_CONFIG_FILE})")
     g.add_argument("--set", metavar="NAME=VALUE", action="append", default=[], dest="settings",
-                   help="any setting by name, repeatable (e.g. --set s3_part_bytes=16777216)")
+                   help="any setting by name, repeatable (e.g. --set s3_part_bytes=16Mi)")
     g.add_argument("--s3-endpoint-url", metavar="URL", help=fields["s3_endpoint_url"].description)
     g.add_argument("--s3-region", metavar="REGION", help=fields["s3_region"].description)
     g.add_argument("--s3-addressing-style", choices=["path", "virtual", "auto"],
@@ -118,12 +118,13 @@ def load(args: argparse.Namespace) -> Settings:
             print(f"dtkv: warning: {old} is deprecated, use {env_name(name)}", file=sys.stderr)
         overrides[name], origin[name] = value, f"{old} (deprecated)"
     path = getattr(args, "config", None) or os.environ.get(ENV_CONFIG_FILE)
+    given = {name: origin[name] for name in overrides}  # how errors name the flags' values
     if not path:
-        return Settings(TieredKVConfig.from_mapping(overrides), origin)
+        return Settings(TieredKVConfig.from_mapping(overrides, source=given), origin)
     path = Path(path)
     for name in read_yaml(path):
         origin.setdefault(str(name), f"config file {path}")
-    return Settings(TieredKVConfig.from_yaml(path, **overrides), origin)
+    return Settings(TieredKVConfig.from_yaml(path, source=given, **overrides), origin)
 
 
 def describe_s3_failure(url: str, settings: Settings, exc: BaseException) -> str:

@@ -100,7 +100,7 @@ def test_config_typo_in_env_is_one_line(capsys: pytest.CaptureFixture[str], monk
 def test_set_typo_suggests(capsys: pytest.CaptureFixture[str]) -> None:
     assert dtkv(["gc", "file:///nonexistent", "--set", "object_ttl=5"]) == 2
     err = capsys.readouterr().err
-    assert "object_ttl: unknown setting (did you mean object_ttl_s?)" in err
+    assert "object_ttl: unknown setting in --set object_ttl (did you mean object_ttl_s?)" in err
 
 
 def test_help_imports_no_torch() -> None:

@@ -1,9 +1,12 @@
+import argparse
 from pathlib import Path
 
 import pytest
 
+from dynamo_tiered_kv import settings_cli
 from dynamo_tiered_kv.config import TieredKVConfig
 from dynamo_tiered_kv.errors import ConfigError
+from dynamo_tiered_kv.sizes import parse_size
 
 
 @pytest.fixture(autouse=True)
@@ -70,9 +73,9 @@ def test_bad_yaml(tmp_path: Path) -> None:
 
 # --- one rule for unknown names, from every source: refused, named, with the closest match ------
 def test_typo_in_kwargs_is_a_config_error_with_suggestion() -> None:
-    with pytest.raises(ConfigError, match=r"ssd_dirr: unknown setting \(did you mean ssd_dir\?\)"):
+    with pytest.raises(ConfigError, match=r"ssd_dirr: unknown setting in keyword arguments \(did you mean ssd_dir\?\)"):
         TieredKVConfig(ssd_dirr="/tmp")  # type: ignore[call-arg]
-    with pytest.raises(ConfigError, match=r"ssd_dirr: unknown setting \(did you mean ssd_dir\?\)"):
+    with pytest.raises(ConfigError, match=r"ssd_dirr: unknown setting in kv_connector_extra_config \(did you mean"):
         TieredKVConfig.from_mapping({"ssd_dirr": "/tmp"})
 
 
@@ -107,3 +110,58 @@ def test_unknown_without_close_match_has_no_suggestion() -> None:
 def test_every_field_kept() -> None:
     c = TieredKVConfig.from_mapping({"load_async": False, "host_capacity_bytes": 0})
     assert c.load_async is False and c.host_capacity_bytes == 0
+
+
+# --- one size syntax for every *_bytes setting, from every source ---------------------------------
+BYTE_FIELDS = sorted(f for f in TieredKVConfig.model_fields if f.endswith("_bytes"))
+
+
+@pytest.mark.parametrize(("text", "size"), [
+    ("4096", 4096), ("16Gi", 16 << 30), ("16GiB", 16 << 30), ("16gib", 16 << 30), ("512Mi", 512 << 20),
+    ("64 MiB", 64 << 20), ("2Ti", 2 << 40), ("8Ki", 8192), ("8KiB", 8192), ("100GB", 100 * 10**9),
+    ("3MB", 3 * 10**6), ("1TB", 10**12), ("500G", 500 * 10**9), ("1.5Gi", 3 << 29), ("1_000", 1000),
+])
+def test_size_syntax(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["16 gigs", "Gi", "", "1.5", "1.1Ki", "16Gx", "0x10"])
+def test_not_a_size(text: str) -> None:
+    with pytest.raises(ValueError, match="not a"):
+        parse_size(text)
+
+
+def test_every_byte_setting_takes_a_size_from_every_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert len(BYTE_FIELDS) >= 6
+    c = TieredKVConfig.from_mapping(dict.fromkeys(BYTE_FIELDS, "64Mi"))
+    assert {f: getattr(c, f) for f in BYTE_FIELDS} == dict.fromkeys(BYTE_FIELDS, 64 << 20)
+    f = tmp_path / "c.yaml"
+    f.write_text("ssd_capacity_bytes: 16Gi\nhost_capacity_bytes: 1GB\n")
+    monkeypatch.setenv("DYN_TIERED_KV_STAGING_SLAB_BYTES", "16MiB")
+    c = TieredKVConfig.from_yaml(f)
+    assert (c.ssd_capacity_bytes, c.host_capacity_bytes, c.staging_slab_bytes) == (16 << 30, 10**9, 16 << 20)
+    args = argparse.Namespace(settings=["s3_part_bytes=16Mi"], config=None)
+    assert settings_cli.load(args).config.s3_part_bytes == 16 << 20
+
+
+def test_settings_errors_name_their_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def error(**kw: object) -> str:
+        with pytest.raises(ConfigError) as e:
+            TieredKVConfig.from_mapping(kw)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert "ssd_capacity_bytes (from kv_connector_extra_config): not a size: '16 gigs'" in error(
+        ssd_capacity_bytes="16 gigs")
+    monkeypatch.setenv("DYN_TIERED_KV_STAGING_SLABS", "0")
+    assert "staging_slabs (from DYN_TIERED_KV_STAGING_SLABS): Input should be greater" in error()
+    monkeypatch.delenv("DYN_TIERED_KV_STAGING_SLABS")
+    f = tmp_path / "c.yaml"
+    f.write_text("host_capacity_bytes: lots\n")
+    monkeypatch.setenv("DYN_TIERED_KV_CONFIG_FILE", str(f))
+    assert f"host_capacity_bytes (from config file {f}): not a size" in error()
+    monkeypatch.delenv("DYN_TIERED_KV_CONFIG_FILE")
+    with pytest.raises(ConfigError, match=r"s3_part_bytes \(from --set s3_part_bytes\): not a size"):
+        settings_cli.load(argparse.Namespace(settings=["s3_part_bytes=big"], config=None))
+    with pytest.raises(ConfigError, match=r"s3_region \(from --s3-region\): Input should be a valid string"):
+        settings_cli.load(argparse.Namespace(settings=[], config=None, s3_region=5))

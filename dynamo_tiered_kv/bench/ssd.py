@@ -29,6 +29,7 @@ import numpy as np
 from ..codec import encode_payload, header_bytes, record_bytes
 from ..keys import KEY_BYTES
 from ..layout import BlockShape, CanonicalFormat, DType
+from ..sizes import size_arg
 from ..tiers.base import ReadRequest
 from ..tiers.ssd import SSDTier
 from ..tiers.ssd.io import aligned_buffer
@@ -38,15 +39,9 @@ from ._keys import random_key
 NAMESPACE = bytes(range(KEY_BYTES))
 
 
-def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", required=True, type=Path, help="directory on the device to measure")
-    p.add_argument("--size", type=_size, default=1 << 30, help="bytes per pass, e.g. 1GiB (default)")
+    p.add_argument("--size", type=size_arg, default=1 << 30, help="bytes per pass, e.g. 1GiB (default), 512Mi, 2GB")
     p.add_argument("--record-kib", type=int, default=2048, help="payload KiB per record (2048: 8B-model block)")
     p.add_argument("--batch", type=int, default=16, help="records per write_many/read_many (one prefix run)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds; the median of each path is reported")
