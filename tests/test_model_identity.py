@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -108,3 +110,141 @@ def test_local_checkpoint_fingerprint_follows_weights_not_paths(tmp_path: Path) 
 def test_a_revision_pins_identity_without_reading_files(tmp_path: Path) -> None:
     a = _checkpoint(tmp_path / "a", b"w" * 100)
     assert model_identity(_mc(str(a), revision="v1")) == f"{a}@v1"
+
+
+# --- LoRA adapters: name, path and the weights at the path ---------------------------------------
+
+def _adapter(d: Path, weights: bytes, rank: int = 8) -> str:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "adapter_config.json").write_text(f'{{"r": {rank}, "lora_alpha": 16}}')
+    (d / "adapter_model.safetensors").write_bytes(weights)
+    return str(d)
+
+
+def _lora_hashes(role: SchedulerRole, lora: object, req_id: str) -> list[bytes]:
+    req = _request(req_id)
+    req.lora_request = lora
+    return _hashes(role, req)
+
+
+# Computes the keys of a LoRA request in a fresh process, as another node serving it would.
+_KEYS_SCRIPT = """
+import sys
+from types import SimpleNamespace
+from dynamo_tiered_kv.config import TieredKVConfig
+from dynamo_tiered_kv.connectors.vllm.scheduler import SchedulerRole
+
+class L:
+    def lookup(self, h): return 0, ()
+    def close(self): pass
+
+role = SchedulerRole(TieredKVConfig.from_mapping({}), model_id="m", block_size=4, lookup=L())
+for i, path in enumerate(sys.argv[1:]):
+    lora = SimpleNamespace(lora_name="support-bot", lora_int_id=1, lora_path=path)
+    req = SimpleNamespace(request_id=str(i), all_token_ids=list(range(8)), num_tokens=8, cache_salt=None,
+                          lora_request=lora, mm_features=None, prompt_embeds=None)
+    print(b"".join(role._state(req).hashes_upto(2)).hex())
+"""
+
+
+def _keys_in_new_process(*paths: str) -> list[bytes]:
+    out = subprocess.run([sys.executable, "-c", _KEYS_SCRIPT, *paths], capture_output=True, text=True, check=True)
+    return [bytes.fromhex(line) for line in out.stdout.split()]
+
+
+def test_lora_with_same_name_and_other_path_or_weights_never_shares_keys(tmp_path: Path) -> None:
+    from vllm.lora.request import LoRARequest
+
+    v1 = os.urandom(1 << 16)
+    p1 = _adapter(tmp_path / "adapters" / "v1", v1)
+    p2 = _adapter(tmp_path / "adapters" / "v2", os.urandom(1 << 16))
+    role = _role()
+    k1 = _lora_hashes(role, LoRARequest("support-bot", 1, p1), "a")
+    # same name, another path (vLLM's own prefix cache tells these apart too)
+    assert _lora_hashes(role, LoRARequest("support-bot", 1, p2), "b") != k1
+    # the same adapter gives the same keys in another process (another node holding a copy)
+    same, = _keys_in_new_process(p1)
+    assert same == b"".join(k1)
+    # node B serves v2 under the same name and path: its keys differ from v1's
+    (tmp_path / "adapters" / "v1" / "adapter_model.safetensors").write_bytes(os.urandom(1 << 16))
+    node_b, = _keys_in_new_process(p1)
+    assert node_b != b"".join(k1)
+    # another adapter config (rank) over the same weight bytes at the same path differs too
+    p3 = _adapter(tmp_path / "cfg", v1, rank=8)
+    r8, = _keys_in_new_process(p3)
+    _adapter(tmp_path / "cfg", v1, rank=16)
+    r16, = _keys_in_new_process(p3)
+    assert r16 != r8
+
+
+def test_lora_fingerprint_is_cached_per_adapter_until_vllm_reloads_it(tmp_path: Path) -> None:
+    from vllm.lora.request import LoRARequest
+
+    path = _adapter(tmp_path / "sb", os.urandom(1 << 16))
+    role = _role()
+    before = _lora_hashes(role, LoRARequest("support-bot", 1, path), "a")
+    (tmp_path / "sb" / "adapter_model.safetensors").write_bytes(os.urandom(1 << 16))
+    # vLLM keeps serving the adapter it loaded, so the keys stay; no file is read per request
+    assert _lora_hashes(role, LoRARequest("support-bot", 1, path), "b") == before
+    # a load_inplace request makes vLLM read the new files: the keys follow them
+    after = _lora_hashes(role, LoRARequest("support-bot", 1, path, load_inplace=True), "c")
+    assert after != before
+    assert _lora_hashes(role, LoRARequest("support-bot", 1, path), "d") == after
+
+
+def test_lora_whose_files_cannot_be_found_shares_keys_with_no_other_process(tmp_path: Path) -> None:
+    missing = str(tmp_path / "not-downloaded")
+    here = _lora_hashes(_role(), SimpleNamespace(lora_name="x", lora_path=missing), "a")
+    assert _lora_hashes(_role(), SimpleNamespace(lora_name="x", lora_path=missing), "b") == here
+    there, = _keys_in_new_process(missing)
+    assert there != b"".join(here)
+
+
+# --- hub models: the commit the name resolved to ----------------------------------------------------
+
+def _snapshot(cache: Path, repo: str, commit: str, ref: str = "main") -> None:
+    d = cache / ("models--" + repo.replace("/", "--"))
+    (d / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+    (d / "snapshots" / commit / "config.json").write_text("{}")
+    (d / "refs").mkdir(exist_ok=True)
+    (d / "refs" / ref).write_text(commit)
+
+
+def test_hub_model_without_revision_is_pinned_by_its_snapshot_commit(tmp_path: Path, monkeypatch) -> None:
+    from dynamo_tiered_kv.connectors.vllm.scheduler import token_namespace
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    c1, c2 = "1" * 40, "2" * 40
+    _snapshot(tmp_path, "org/m", c1)
+    first = model_identity(_mc("org/m"))
+    assert first == f"org/m|commit={c1}"
+    _snapshot(tmp_path, "org/m", c2)  # the hub's main moved on and this node downloaded it
+    second = model_identity(_mc("org/m"))
+    assert second == f"org/m|commit={c2}"
+    assert token_namespace(first, BS, "").digest != token_namespace(second, BS, "").digest
+    # a branch revision is a moving name too; a commit revision pins itself
+    _snapshot(tmp_path, "org/m", c1, ref="stable")
+    assert model_identity(_mc("org/m", revision="stable")) == f"org/m@stable|commit={c1}"
+    assert model_identity(_mc("org/m", revision=c2)) == f"org/m@{c2}"
+    # the override keeps the commit, so it cannot make two snapshots share KV
+    assert model_identity(_mc("org/m"), override="m") == f"m|commit={c2}"
+    # a ref whose snapshot is absent is not trusted
+    _snapshot(tmp_path, "org/n", c1)
+    (tmp_path / "models--org--n" / "refs" / "main").write_text(c2)
+    assert model_identity(_mc("org/n")) == "org/n"
+
+
+# --- engine settings that change KV ----------------------------------------------------------------
+
+def test_code_revision_and_other_weight_settings_change_the_identity() -> None:
+    base = model_identity(_mc())
+    variants = [
+        model_identity(_mc(code_revision="c2")),
+        model_identity(_mc(quantization_config={"ignore": ["lm_head"]})),
+        model_identity(_mc(hf_config_path="/configs/long-context")),
+        model_identity(_mc(model_class_overrides={"LlamaForCausalLM": "pkg.mod:Cls"})),
+        model_identity(_mc(disable_sliding_window=True)),
+        model_identity(_mc(), kv_cache_dtype="fp8", kv_skip_layers=["0"]),
+        model_identity(_mc(), kv_cache_dtype="fp8"),
+    ]
+    assert len({base, *variants}) == len(variants) + 1
