@@ -176,8 +176,39 @@ def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | Non
     if flusher is not None:
         _observe(store, _FlushCollector(flusher))
     store.flusher = flusher  # type: ignore[attr-defined]
-    log.info("tiered KV store: %s", ", ".join(t.name for t in tiers))
+    log.info("%s", tier_summary(config))
     return store
+
+
+def tier_summary(config: TieredKVConfig) -> str:
+    """One line for the start-up log: what each tier will hold (capacity, retention) or why it is
+    off, and for each value the setting it comes from, ``[name]`` when set, ``[default name]`` when not."""
+    given = config.model_fields_set
+
+    def why(name: str) -> str:
+        return f"[{name}]" if name in given else f"[default {name}]"
+
+    def off(name: str) -> str:
+        return f"{name} set to {getattr(config, name)}" if name in given else f"{name} not set"
+
+    def size(n: int) -> str:
+        k = min(max((n.bit_length() - 1) // 10, 0), 4)
+        return f"{n / 1024**k:.4g} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[k]}"
+
+    def dur(seconds: float) -> str:
+        unit = next((u for u in ((86400, "d"), (3600, "h"), (60, "min")) if seconds >= u[0] and not seconds % u[0]),
+                    (1, "s"))
+        return f"{seconds / unit[0]:g}{unit[1]}"
+
+    c = config
+    host = (f"host {size(c.host_capacity_bytes)} {why('host_capacity_bytes')} for {dur(c.host_ttl_s)} "
+            f"{why('host_ttl_s')}" if c.host_capacity_bytes else f"host off: {off('host_capacity_bytes')}")
+    ssd = (f"SSD {c.ssd_dir} {why('ssd_dir')} {size(c.ssd_capacity_bytes)} {why('ssd_capacity_bytes')} for "
+           f"{dur(c.ssd_ttl_s)} {why('ssd_ttl_s')}" if c.ssd_dir is not None else f"SSD off: {off('ssd_dir')}")
+    obj = (f"objects {c.object_url} {why('object_url')} up to {size(c.object_capacity_bytes)} "
+           f"{why('object_capacity_bytes')}, expired by dtkv gc after {dur(c.object_ttl_s)} {why('object_ttl_s')}"
+           if c.object_url else f"objects off: {off('object_url')}")
+    return f"tiered KV store: {host}; {ssd}; {obj}"
 
 
 def _observe(store: TieredStore, collector: Collector) -> None:
