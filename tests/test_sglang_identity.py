@@ -157,3 +157,15 @@ def _exists_when_indexed(backend: Any, hashes: list[str]) -> int:
         while not getattr(t, "index_ready", True) and time.monotonic() < end:
             time.sleep(0.05)
     return backend.batch_exists(hashes)
+
+
+def test_served_weight_version_names_the_weights(sgl: sh.Sglang) -> None:
+    """A backend attached after a weight update that named a version (SGLang records it in its runtime
+    context, not in ServerArgs) is in another namespace than one attached before it."""
+    from sglang.srt import runtime_context as rc
+
+    args = server_args(model_path="dummy")
+    with published(args):
+        before = namespace_digest(sgl, args)
+        rc.get_context().override("scheduler.weight_version", weight_version="step-42")
+        assert namespace_digest(sgl, args) != before

@@ -29,6 +29,7 @@ from ...errors import ConfigError
 from ...keys import ROOT_KEY, BlockKey, Namespace, engine_block_key
 from ...layout import BlockShape
 from ..vllm.identity import weights_fingerprint
+from .epoch import served_weight_version
 from .server_args_table import IDENTITY, SERVER_ARGS_FIELDS
 
 __all__ = ["SERVER_ARGS_FIELDS", "hub_commit", "model_identity", "namespace_for", "page_keys", "published_server_args",
@@ -101,6 +102,8 @@ def server_identity(server_args: Any, *, with_path: bool = True) -> str:
     nodes that mount one checkpoint under different paths share KV; the commit and the weights
     fingerprint still tell other weights apart."""
     values = {name: _field(server_args, name) for name in sorted(IDENTITY) if with_path or name != "model_path"}
+    # the version SGLang serves now: a backend attached after a named weight update names the new weights
+    values["weight_version"] = served_weight_version() or values["weight_version"]
     blob = json.dumps(values, sort_keys=True, separators=(",", ":"), default=str).encode()
     out = f"sglang={hashlib.blake2b(blob, digest_size=8, person=b'dtkv-sgl-args').hexdigest()}"
     commit = hub_commit(str(_field(server_args, "model_path") or ""), _field(server_args, "revision"),
