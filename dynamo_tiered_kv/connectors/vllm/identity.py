@@ -180,8 +180,8 @@ def hub_commit(repo_id: str, revision: str | None = None, hf_config: Any = None)
     return commit if _COMMIT.fullmatch(commit) and (repo / "snapshots" / commit).is_dir() else ""
 
 
-#: (name, path) -> scope fields of a LoRA adapter whose weights were identified (LRU)
-_LORA_SCOPES: OrderedDict[tuple[str, str], dict[str, str]] = OrderedDict()
+#: (name, path, 3-D MoE format) -> scope fields of a LoRA adapter whose weights were identified (LRU)
+_LORA_SCOPES: OrderedDict[tuple[str, str, bool], dict[str, str]] = OrderedDict()
 _LORA_CACHE_MAX = 1024
 #: stands in for the weights of an adapter this process cannot find: its KV is never shared
 _UNVERIFIED = f"unverified-{secrets.token_hex(8)}"
@@ -202,12 +202,13 @@ def lora_scopes(lora: Any) -> dict[str, str]:
         return {}
     name = str(getattr(lora, "lora_name", lora))
     path = str(getattr(lora, "lora_path", "") or "")
-    key = (name, path)
+    fused = bool(getattr(lora, "is_3d_lora_weight", False))  # the same files read as another layout
+    key = (name, path, fused)
     scopes = _LORA_SCOPES.get(key)
     if scopes is None or getattr(lora, "load_inplace", False):
         weights = adapter_weights(path)
         scopes = {"lora": name, "lora_path": path, "lora_weights": weights or _UNVERIFIED}
-        if getattr(lora, "is_3d_lora_weight", False):
+        if fused:
             scopes["lora_format"] = "3d"
         if not weights:
             log.warning("LoRA adapter %s: no weight files found at %r; its KV is not shared with other "
