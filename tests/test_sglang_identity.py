@@ -105,8 +105,10 @@ def test_model_id_override_drops_the_path_not_the_settings(sgl: sh.Sglang) -> No
 
 
 def test_hub_commit_names_the_snapshot_a_branch_resolved_to(sgl: sh.Sglang, tmp_path: Path) -> None:
-    refs = tmp_path / "models--org--model" / "refs"
-    refs.mkdir(parents=True)
+    repo = tmp_path / "models--org--model"
+    refs = repo / "refs"
+    for d in (refs, repo / "snapshots" / COMMIT_A, repo / "snapshots" / COMMIT_B):
+        d.mkdir(parents=True)
     (refs / "main").write_text(COMMIT_A)
     args = server_args(download_dir=str(tmp_path))
     assert hub_commit("org/model", None, str(tmp_path)) == COMMIT_A

@@ -28,6 +28,7 @@ from typing import Any
 from ...errors import ConfigError
 from ...keys import ROOT_KEY, BlockKey, Namespace, engine_block_key
 from ...layout import BlockShape
+from ..vllm.identity import hub_commit as vllm_hub_commit
 from ..vllm.identity import weights_fingerprint
 from .epoch import served_weight_version
 from .server_args_table import IDENTITY, SERVER_ARGS_FIELDS
@@ -36,6 +37,7 @@ __all__ = ["SERVER_ARGS_FIELDS", "hub_commit", "model_identity", "namespace_for"
            "ranks_of", "server_identity", "split_extra_config"]
 
 log = logging.getLogger(__name__)
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 #: keys of SGLang's ``--hicache-storage-backend-extra-config`` that SGLang itself reads
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "enable_metadata_cache",
@@ -122,25 +124,25 @@ def _field(server_args: Any, name: str) -> Any:
 
 
 def hub_commit(model: str, revision: str | None, cache_dir: str | None = None) -> str:
-    """The snapshot commit a hub model's revision (``main`` when none) resolves to in the local
-    Hugging Face cache, which SGLang filled before the backend starts; "" for a local path, and
-    the revision itself when it already is a commit. A moving branch then names its weights."""
+    """The commit a hub model's revision (``main`` when none) resolves to in the Hugging Face cache
+    SGLang downloaded it to (``--download-dir``, else the default hub cache) before the backend
+    starts; "" for a local path; the revision itself when it already is a commit. A moving branch
+    then names its weights. Without ``cache_dir`` this is the vLLM side's rule (``hub_commit``)."""
     if not model or Path(model).exists():
         return ""
-    if revision and re.fullmatch(r"[0-9a-f]{40}", revision):
-        return revision
-    try:
-        from huggingface_hub import constants
-    except ImportError:
-        return ""
-    repo = Path(cache_dir or constants.HF_HUB_CACHE) / f"models--{model.replace('/', '--')}"
-    ref = repo / "refs" / (revision or "main")
-    try:
-        return ref.read_text().strip()
-    except OSError:
+    if cache_dir is None or (revision and _COMMIT.fullmatch(revision)):
+        commit = vllm_hub_commit(model, revision)
+    else:
+        repo = Path(cache_dir) / f"models--{model.replace('/', '--')}"
+        try:
+            commit = (repo / "refs" / (revision or "main")).read_text().strip()
+        except OSError:
+            commit = ""
+        commit = commit if _COMMIT.fullmatch(commit) and (repo / "snapshots" / commit).is_dir() else ""
+    if not commit:
         log.warning("no snapshot of %s@%s in the Hugging Face cache: the identity names the revision, not "
                     "its commit", model, revision or "main")
-        return ""
+    return commit
 
 
 def namespace_for(shape: BlockShape, *, model_id: str, kv_dtype: str, ranks: Ranks, is_mla: bool,
