@@ -1,4 +1,5 @@
-"""Project-wide test setup: GPU tests skip cleanly on machines without CUDA."""
+"""Project-wide test setup: GPU tests skip cleanly on machines without CUDA; ``helm`` for every
+test that renders the chart (installed on first use, whichever test comes first)."""
 
 from __future__ import annotations
 
@@ -13,3 +14,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def helm() -> str:
+    from helm_tool import find_helm
+
+    path, why = find_helm()
+    if path is None:
+        pytest.skip(why)
+    return path

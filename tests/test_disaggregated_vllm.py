@@ -11,8 +11,6 @@ GPU memory with a NIXL agent) and an actual prefill -> decode transfer; both nee
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -22,26 +20,19 @@ import yaml
 
 pytest.importorskip("vllm")
 
+from helm_tool import find_helm
 from test_examples import kv_transfer_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "dynamo-tiered-kv"
-TOOLS = Path(os.environ.get("DTKV_TOOLS_DIR", "/tmp/dtkv-tools"))
 pytestmark = pytest.mark.timeout(600)
-
-
-def _helm() -> str | None:
-    for candidate in (os.environ.get("HELM"), shutil.which("helm"), str(TOOLS / "helm")):
-        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
-            return candidate
-    return None
 
 
 def _chart_configs() -> list[dict[str, Any]]:
     """(decode, prefill) kv_transfer_config of the chart's ci/dgd-disagg-values.yaml."""
-    helm = _helm()
+    helm, why = find_helm()  # installs helm if no test has yet
     if helm is None:
-        pytest.skip("no helm (tests/test_helm_chart.py installs one with deploy/scripts/install-helm.sh)")
+        pytest.skip(why)
     out = subprocess.run([helm, "template", "t", str(CHART), "-f", str(CHART / "ci" / "dgd-disagg-values.yaml")],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     (dgd,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "DynamoGraphDeployment"]

