@@ -1,12 +1,12 @@
 """Load outcomes paired with the right step, through vLLM's own ``Scheduler``.
 
-The engine here is vLLM 0.32's real ``Scheduler`` with ``TieredKVConnector`` in its scheduler
-role, and a second ``TieredKVConnector`` in the worker role over CPU KV tensors and a real host
-tier, stepped the way ``EngineCore.step`` steps them. The worker's connector hooks run through
-vLLM's own ``KVConnectorModelRunnerMixin``, so a step without a forward yields what it yields in
-the engine (``EMPTY_MODEL_RUNNER_OUTPUT`` when the connector output is empty, which vLLM then
-never hands to the connector). Only the model's forward is left out: scheduled requests sample
-token 0.
+The engine here is vLLM 0.32's real ``Scheduler`` (``AsyncScheduler`` with async scheduling) with
+``TieredKVConnector`` in its scheduler role, and a second ``TieredKVConnector`` in the worker role
+over CPU KV tensors and a real host tier, stepped the way ``EngineCore.step`` (or
+``step_with_batch_queue``) steps them. The worker's connector hooks run through vLLM's own
+``KVConnectorModelRunnerMixin``, so a step without a forward yields what it yields in the engine
+(``EMPTY_MODEL_RUNNER_OUTPUT`` when the connector output is empty, which vLLM then never hands to
+the connector). Only the model's forward is left out: scheduled requests sample token 0.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
@@ -55,17 +57,19 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class Engine:
-    """A scheduler and one worker, stepped like ``EngineCore.step`` (no batch queue)."""
+    """A scheduler and one worker, stepped like ``EngineCore.step`` or, with ``async_scheduling``,
+    like ``EngineCore.step_with_batch_queue`` (a step's output is handed back after the next step
+    was scheduled)."""
 
-    def __init__(self, model_dir: Path, *, load_async: bool) -> None:
+    def __init__(self, model_dir: Path, *, load_async: bool, async_scheduling: bool = False) -> None:
         extra = {"load_async": load_async, "host_capacity_bytes": 16 << 20, "staging_slab_bytes": 1 << 20,
                  "staging_slabs": 4}
         self.config = VllmConfig(
             model_config=ModelConfig(model=str(model_dir), dtype="bfloat16", seed=0, max_model_len=1024),
             scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=1024,
-                                             is_encoder_decoder=False),
-            # No local prefix cache: every prefix comes back through the connector.
-            cache_config=CacheConfig(block_size=BS, enable_prefix_caching=False),
+                                             is_encoder_decoder=False, async_scheduling=async_scheduling),
+            # Local prefix cache only with async scheduling: its test shares a block being loaded.
+            cache_config=CacheConfig(block_size=BS, enable_prefix_caching=async_scheduling),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="TieredKVConnector", kv_connector_module_path="dynamo_tiered_kv.connectors.vllm",
                 kv_role="kv_both", engine_id=f"steps-{uuid.uuid4().hex[:8]}", kv_connector_extra_config=extra,
@@ -82,8 +86,10 @@ class Engine:
                                     num_blocks=NUM_BLOCKS, block_size=BS,
                                     num_kv_heads=TEST_SPEC.num_key_value_heads, head_size=TEST_SPEC.head_dim)
         self.worker.register_kv_caches({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(caches)})
-        self.sched = Scheduler(vllm_config=self.config, kv_cache_config=kv_cache_config,
+        sched_cls = AsyncScheduler if async_scheduling else Scheduler
+        self.sched = sched_cls(vllm_config=self.config, kv_cache_config=kv_cache_config,
                                structured_output_manager=StructuredOutputManager(self.config), block_size=BS)
+        self._queue: deque[tuple[Any, ModelRunnerOutput]] = deque()  # scheduled, output not handed back
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(BS, sha256)
         self.metas: list[TieredKVMetadata] = []  # every step's metadata, in step order
@@ -103,6 +109,23 @@ class Engine:
 
     def step(self) -> TieredKVMetadata:
         """One engine step: schedule, run the worker's connector hooks, hand the output back."""
+        so, out = self._schedule_and_run()
+        self.sched.update_from_output(so, out)
+        return so.kv_connector_metadata
+
+    def step_queued(self) -> None:
+        """One ``EngineCore.step_with_batch_queue`` with a queue of 2 (async scheduling)."""
+        if self.sched.has_requests():
+            so, out = self._schedule_and_run()
+            self._queue.appendleft((so, out))
+            if len(self._queue) < 2 and (so.total_num_scheduled_tokens > 0 or self.sched.has_requests()):
+                return
+        elif not self._queue:
+            return
+        so, out = self._queue.pop()
+        self.sched.update_from_output(so, out)
+
+    def _schedule_and_run(self) -> tuple[Any, ModelRunnerOutput]:
         so = self.sched.schedule()
         meta = so.kv_connector_metadata
         assert isinstance(meta, TieredKVMetadata)
@@ -124,14 +147,16 @@ class Engine:
             kv_transfer_state._KV_CONNECTOR_AGENT = None
         if out.kv_connector_output is not None:
             self.invalid[len(self.metas)] = set(out.kv_connector_output.invalid_block_ids)
-        self.sched.update_from_output(so, out)
-        return meta
+        return so, out
 
     def run(self, until: Any, limit: int = 200) -> None:
         for _ in range(limit):
             if until():
                 return
-            self.step()
+            if self._queue or self.sched.scheduler_config.async_scheduling:
+                self.step_queued()
+            else:
+                self.step()
         raise AssertionError("the engine never got there")
 
     def saves_of(self, req_id: str) -> list[tuple[int, SaveSpec]]:
@@ -144,8 +169,8 @@ class Engine:
 
 
 @contextmanager
-def engine(model_dir: Path, *, load_async: bool) -> Iterator[Engine]:
-    e = Engine(model_dir, load_async=load_async)
+def engine(model_dir: Path, *, load_async: bool, async_scheduling: bool = False) -> Iterator[Engine]:
+    e = Engine(model_dir, load_async=load_async, async_scheduling=async_scheduling)
     try:
         yield e
     finally:
@@ -198,6 +223,7 @@ def test_failed_sync_load_is_paired_with_its_step_across_idle_steps(model_dir: P
         assert saves and saves[0][0] > n and saves[0][1].first_index == 2
         assert [b for _, s in saves for b in s.block_ids][:2] == load.block_ids[2:]
         _idle(e, 80)
+        assert e.store.drain(10)
         # A later restore of the whole prefix (blocks 2, 3 stored again by r) succeeds.
         r2 = e.add("r2", [*PREFIX, *range(700, 740)], max_tokens=10)
         meta = e.step()
@@ -234,4 +260,32 @@ def test_idle_steps_while_an_async_restore_runs_never_strand_outcomes(model_dir:
         e.run(lambda: r.is_finished())
         saves = e.saves_of("r")
         assert saves and saves[0][1].first_index == 4
+    assert not [rec for rec in caplog.records if rec.name == OUTCOMES_LOG and rec.levelno >= logging.WARNING]
+
+
+def test_kv_kept_over_a_failed_sync_load_is_never_saved_with_async_scheduling(model_dir: Path, caplog) -> None:
+    """With async scheduling a step's output comes back after the next step was scheduled, so a
+    request can take a local prefix hit on blocks still being loaded; when the load fails, vLLM
+    recomputes the failed block for the loading request only and the other keeps the KV it
+    computed over it. That request must never save."""
+    caplog.set_level(logging.INFO, logger="dynamo_tiered_kv")
+    with engine(model_dir, load_async=False, async_scheduling=True) as e:
+        keys = _write_prefix(e)
+        e.run(lambda: not e.sched.has_requests() and not e._queue)
+        assert e.sched.reset_prefix_cache()  # the prefix is only in the store now
+        _corrupt(e, keys[2])
+        for _ in range(3):
+            e.step_queued()  # nothing to run
+        b = e.add("b", [*PREFIX, *range(900, 910)], max_tokens=30)
+        e.step_queued()  # step N scheduled: b restores blocks 0-3; its output is not back yet
+        n = len(e.metas)
+        (load,) = e.metas[-1].loads
+        c = e.add("c", [*PREFIX, *range(500, 540)], max_tokens=30)
+        e.step_queued()  # step N+1: c hits b's blocks in vLLM's prefix cache; then step N's output
+        assert e.invalid[n] == set(load.block_ids[2:])
+        assert c.num_computed_tokens > 4 * BS  # vLLM kept c's KV computed over the failed block 2
+        e.run(lambda: b.is_finished() and c.is_finished())
+        assert e.saves_of("c") == []
+        saves = e.saves_of("b")
+        assert saves and saves[0][0] > n and saves[0][1].first_index == 2  # b recomputed from block 2
     assert not [rec for rec in caplog.records if rec.name == OUTCOMES_LOG and rec.levelno >= logging.WARNING]
