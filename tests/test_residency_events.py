@@ -16,14 +16,16 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from dynamo_tiered_kv.config import TieredKVConfig
 from dynamo_tiered_kv.connectors.vllm.events import (
-    LOCALITY,
+    EVENT_MEDIUM,
     ROUTER_TIER,
+    STORAGE_VOCABULARY,
     BlockResidency,
     ResidencyLedger,
     TieredKVEvents,
     block_removed,
     block_stored,
     external_hash,
+    residency_of,
 )
 from dynamo_tiered_kv.connectors.vllm.metadata import SaveSpec, TieredKVMetadata
 from dynamo_tiered_kv.connectors.vllm.scheduler import SchedulerRole
@@ -50,11 +52,27 @@ def test_every_medium_we_emit_is_one_the_router_maps_to_the_right_tier() -> None
     assert medium_of(HostTier) == HOST and ROUTER_MEDIUMS[HOST] == "HostPinned"
     assert medium_of(SSDTier) == DISK and ROUTER_MEDIUMS[DISK] == "Disk"
     assert medium_of(ObjectTier) == EXTERNAL and ROUTER_MEDIUMS[EXTERNAL] == "External"
-    assert all(ROUTER_MEDIUMS[m] == tier for m, tier in ROUTER_TIER.items())
+    assert all(ROUTER_MEDIUMS[EVENT_MEDIUM[m].medium] == tier for m, tier in ROUTER_TIER.items())
     assert "dtkv" not in ROUTER_MEDIUMS  # what we used to send: dropped by the router
-    ev = block_stored([b"a" * 16], None, list(range(BS)), BS, medium=EXTERNAL)
-    assert (ev.medium, ev.locality) == ("EXTERNAL", "REMOTE") and LOCALITY.get(HOST) is None
-    assert block_removed([1], EXTERNAL).locality == "REMOTE"
+
+
+def test_events_speak_vllm_storage_vocabulary_with_locality_and_one_owner_per_tier() -> None:
+    assert STORAGE_VOCABULARY  # the installed vLLM (0.32) has MEDIUM_STORAGE, locality and ownership
+    ssd = block_stored([b"a" * 16], None, list(range(BS)), BS, medium=DISK)
+    assert (ssd.medium, ssd.locality, ssd.ownership) == ("STORAGE", "LOCAL", "dtkv/ssd")
+    obj = block_removed([1], EXTERNAL)
+    assert (obj.medium, obj.locality, obj.ownership) == ("STORAGE", "REMOTE", "dtkv/object")
+    host = block_stored([b"a" * 16], None, list(range(BS)), BS, medium=HOST)
+    assert (host.medium, host.locality) == ("CPU", "LOCAL")
+    assert [residency_of(e) for e in (ssd, obj, host)] == [DISK, EXTERNAL, HOST]
+    # the ledger keeps the SSD and the object copy (both STORAGE) apart
+    ledger = ResidencyLedger()
+    on_disk = block_stored([b"b" * 16], None, list(range(BS)), BS, medium=DISK)
+    in_objects = block_stored([b"b" * 16], None, list(range(BS)), BS, medium=EXTERNAL)
+    assert ledger.apply([on_disk, in_objects], 2) == []  # one rank each
+    assert ledger.apply([on_disk], 2) == [on_disk]  # both ranks on disk; the objects still one rank
+    (gone,) = ledger.apply([block_removed([external_hash(b"b" * 16)], DISK)], 2)
+    assert (gone.medium, gone.locality) == ("STORAGE", "LOCAL")
 
 
 def _worker(tmp_path, **cfg) -> WorkerRole:
@@ -84,7 +102,7 @@ def _ops(w: WorkerRole) -> list[tuple[str, str, int]]:
         kind = "stored" if isinstance(e, BlockStored) else "removed"
         if isinstance(e, BlockStored):
             assert len(e.token_ids) == BS * len(e.block_hashes)
-        ops.extend((kind, e.medium, h) for h in e.block_hashes)
+        ops.extend((kind, residency_of(e), h) for h in e.block_hashes)
     return ops
 
 
@@ -229,7 +247,7 @@ def test_scheduler_announces_a_tier_when_every_rank_holds_it_and_drops_it_when_o
     assert s.take_events() == [host]
     s.update_connector_output(_out([[block_removed([external_hash(hs[0])], HOST)]], world=2))
     (rm,) = s.take_events()
-    assert (rm.medium, rm.block_hashes) == (HOST, [external_hash(hs[0])])
+    assert (residency_of(rm), rm.block_hashes) == (HOST, [external_hash(hs[0])])
     # ...rank 1 later too: already announced; the disk copy is untouched
     s.update_connector_output(_out([[block_removed([external_hash(hs[0])], HOST)]], world=2))
     assert s.take_events() == []

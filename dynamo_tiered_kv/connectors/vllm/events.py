@@ -2,11 +2,15 @@
 holds which prefix blocks.
 
 One ``BlockStored`` per run of blocks a tier now holds and one ``BlockRemoved`` per batch a tier
-dropped, with the ``medium`` Dynamo's router maps to its storage tiers (``residency``): host tier
-``CPU_PINNED`` (HostPinned, ``--router-host-cache-hit-weight``), SSD tier ``DISK`` (Disk,
-``--router-disk-cache-hit-weight``), shared object tier ``EXTERNAL`` with ``locality="REMOTE"``
-(External, disk weight). A block in two tiers is announced once per tier; the router keeps one
-entry per tier, so every tier's removal is its own event.
+dropped, in vLLM's own event vocabulary where the installed vLLM has it (``MEDIUM_STORAGE`` and
+the ``locality``/``ownership`` fields: vLLM >= 0.32), the one vLLM's tiered offloading uses and
+Dynamo 1.7's router credits: host tier ``CPU`` + ``LOCAL`` (HostPinned), SSD tier ``STORAGE`` +
+``LOCAL`` (Disk), shared object tier ``STORAGE`` + ``REMOTE`` (a shared pool: the router does not
+credit it to this worker). Each tier is its own ``ownership`` (``dtkv/ssd`` ...). An older vLLM
+gets the router's legacy names (``CPU_PINNED``, ``DISK``, ``EXTERNAL`` + ``REMOTE``). A block in
+two tiers is announced once per tier; every tier's removal is its own event. Internally
+(``residency``, this module's arguments) tiers keep the legacy names; ``residency_of`` maps an
+event back.
 
 Worker side (``BlockResidency``): the store reports residency changes by key; the worker maps a
 key back to what an event needs (token hash, parent, tokens, LoRA) for the blocks it offloaded
@@ -29,15 +33,54 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import msgspec
+from vllm.distributed import kv_events as _kv_events
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 
 from ...residency import DISK, EXTERNAL, HOST
 
-#: the mediums we emit, and the router tier each maps to (ai-dynamo StorageTier::from_kv_medium)
-ROUTER_TIER = {HOST: "HostPinned", DISK: "Disk", EXTERNAL: "External"}
-#: ``locality`` per medium (vLLM >= 0.32 events carry it; None: unspecified)
-LOCALITY = {EXTERNAL: "REMOTE"}
+
+@dataclass(frozen=True)
+class EventMedium:
+    """How one tier is named in events: ``medium``, ``locality`` and ``ownership`` fields."""
+
+    medium: str
+    locality: str | None
+    ownership: str | None
+
+
+def _fields(cls: type) -> frozenset[str]:
+    return frozenset(getattr(cls, "__struct_fields__", ()))
+
+
+#: vLLM's own vocabulary (kv_events.MEDIUM_STORAGE, locality and ownership fields) is installed
+STORAGE_VOCABULARY = hasattr(_kv_events, "MEDIUM_STORAGE") and {"locality", "ownership"} <= _fields(BlockStored)
+#: our residency medium -> its name in events
+EVENT_MEDIUM: dict[str, EventMedium] = {
+    HOST: EventMedium("CPU", "LOCAL", "dtkv/host"),
+    DISK: EventMedium("STORAGE", "LOCAL", "dtkv/ssd"),
+    EXTERNAL: EventMedium("STORAGE", "REMOTE", "dtkv/object"),
+} if STORAGE_VOCABULARY else {
+    HOST: EventMedium(HOST, None, None), DISK: EventMedium(DISK, None, None),
+    EXTERNAL: EventMedium(EXTERNAL, "REMOTE", None),
+}
+_RESIDENCY_OF = {(e.medium, e.locality): m for m, e in EVENT_MEDIUM.items()}
+#: the router tier each medium's events land in (ai-dynamo StorageTier::from_kv_medium)
+ROUTER_TIER = {HOST: "HostPinned", DISK: "Disk", EXTERNAL: "Disk" if STORAGE_VOCABULARY else "External"}
 DEFAULT_TRACKED_BLOCKS = 1 << 18
+
+
+def residency_of(event: BlockStored | BlockRemoved) -> str | None:
+    """Our residency medium (``residency.HOST``...) an event of ours names, or None."""
+    return _RESIDENCY_OF.get((event.medium, getattr(event, "locality", None)))
+
+
+def _where(medium: str) -> dict[str, str | None]:
+    e = EVENT_MEDIUM[medium]
+    out: dict[str, str | None] = {"medium": e.medium, "locality": e.locality}
+    if STORAGE_VOCABULARY:
+        out["ownership"] = e.ownership
+    return out
 
 
 def external_hash(token_hash: bytes) -> int:
@@ -81,12 +124,12 @@ def block_stored(token_hashes: Sequence[bytes], parent: bytes | None, token_ids:
     """One event for a run of consecutive blocks of one tier (of one LoRA adapter, or the base model)."""
     return BlockStored(block_hashes=[external_hash(h) for h in token_hashes],
                        parent_block_hash=external_hash(parent) if parent else None,
-                       token_ids=list(token_ids), block_size=block_size, lora_id=lora_id, medium=medium,
-                       lora_name=lora_name, locality=LOCALITY.get(medium))
+                       token_ids=list(token_ids), block_size=block_size, lora_id=lora_id,
+                       lora_name=lora_name, **_where(medium))
 
 
 def block_removed(hashes: Sequence[int], medium: str) -> BlockRemoved:
-    return BlockRemoved(block_hashes=list(hashes), medium=medium, locality=LOCALITY.get(medium))
+    return BlockRemoved(block_hashes=list(hashes), **_where(medium))
 
 
 # --- worker side -------------------------------------------------------------------------------
@@ -224,7 +267,7 @@ class ResidencyLedger:
 
     def __init__(self, max_partial: int = 1 << 16) -> None:
         self.max_partial = max_partial
-        self._partial: OrderedDict[tuple[str | None, int], int] = OrderedDict()
+        self._partial: OrderedDict[tuple[str | None, str | None, int], int] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._partial)
@@ -235,19 +278,19 @@ class ResidencyLedger:
         out: list[KVCacheEvent] = []
         for e in events:
             if isinstance(e, BlockStored):
-                done = [i for i, h in enumerate(e.block_hashes) if self._count((e.medium, h), +1, world)]
+                done = [i for i, h in enumerate(e.block_hashes) if self._count((e.medium, e.locality, h), +1, world)]
                 out.extend(_sub_runs(e, done))
-            elif isinstance(e, BlockRemoved):
-                gone = [h for h in e.block_hashes if self._count((e.medium, h), -1, world)]
+            elif isinstance(e, BlockRemoved):  # (medium, locality): the SSD and the object tier are both STORAGE
+                gone = [h for h in e.block_hashes if self._count((e.medium, e.locality, h), -1, world)]
                 if gone:
-                    out.append(BlockRemoved(block_hashes=gone, medium=e.medium, locality=e.locality))
+                    out.append(msgspec.structs.replace(e, block_hashes=gone))
             else:
                 out.append(e)
         while len(self._partial) > self.max_partial:
             self._partial.popitem(last=False)
         return out
 
-    def _count(self, key: tuple[str | None, int], delta: int, world: int) -> bool:
+    def _count(self, key: tuple[str | None, str | None, int], delta: int, world: int) -> bool:
         """Apply one worker's report; True when the engine-wide state flips (announce it)."""
         held = self._partial.pop(key, None)
         if held is None:  # nobody (a store comes first) or everybody (a removal comes first)
@@ -274,9 +317,8 @@ def _sub_runs(e: BlockStored, idx: list[int]) -> list[BlockStored]:
             j += 1
         a, b = idx[i], idx[j] + 1
         parent = e.parent_block_hash if a == 0 else e.block_hashes[a - 1]
-        out.append(BlockStored(
-            block_hashes=e.block_hashes[a:b], parent_block_hash=parent,
-            token_ids=e.token_ids[a * bs:b * bs], block_size=bs, lora_id=e.lora_id, medium=e.medium,
-            lora_name=e.lora_name, extra_keys=e.extra_keys[a:b] if e.extra_keys else None, locality=e.locality))
+        out.append(msgspec.structs.replace(  # every other field (medium, locality, ownership...) as in e
+            e, block_hashes=e.block_hashes[a:b], parent_block_hash=parent, token_ids=e.token_ids[a * bs:b * bs],
+            extra_keys=e.extra_keys[a:b] if e.extra_keys else None))
         i = j + 1
     return out
