@@ -90,6 +90,8 @@ def main(spec_path: str, out_path: str) -> None:
         spec = json.load(f)
     from vllm import LLM, SamplingParams
 
+    from dynamo_tiered_kv.connectors.vllm.events import residency_of
+
     kw = {}
     if spec.get("extra_config") is not None:
         kw["kv_transfer_config"] = {
@@ -139,8 +141,8 @@ def main(spec_path: str, out_path: str) -> None:
             "metrics": _snapshot(conn),
             "seconds": seconds,
             "dtkv_events": [{"kind": type(e).__name__, "blocks": len(e.block_hashes),
-                             "tokens": len(getattr(e, "token_ids", ())), "medium": e.medium}
-                            for e in published if getattr(e, "medium", None) in ("CPU_PINNED", "DISK", "EXTERNAL")],
+                             "tokens": len(getattr(e, "token_ids", ())), "medium": residency_of(e)}
+                            for e in published if hasattr(e, "medium") and residency_of(e) is not None],
         })
         published.clear()
         if r.get("touch_after"):
