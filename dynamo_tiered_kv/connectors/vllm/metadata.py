@@ -12,11 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 try:  # the base classes live in vLLM; keep this module importable without it (unit tests)
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 except ImportError:  # pragma: no cover - only without vLLM
     class KVConnectorMetadata:  # type: ignore[no-redef]
         pass
-
+try:  # 0.31 and 0.32 have it (their model runners send it back every step)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+except ImportError:  # pragma: no cover - only without vLLM
     class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
         pass
 
