@@ -239,3 +239,33 @@ def test_host_tier_default_follows_the_environment(tmp_path: Path, monkeypatch: 
     finally:
         eng.stop()
     assert not os.path.exists("/dev/shm/" + eng.spec._engine_id)
+
+
+def test_a_chunk_on_its_way_to_the_ssd_is_retry_then_hit(tmp_path: Path) -> None:
+    """The store job ends once the chunks are staged; until the SSD write lands, lookup says
+    RETRY (not MISS: the engine would recompute what is about to be readable)."""
+    import asyncio
+    import threading
+
+    eng = Engine.start(ssd(tmp_path))
+    ssd_tier = eng.tier.store.tiers[0]
+    gate = threading.Event()
+    write_many = ssd_tier.write_many
+
+    async def held(items):  # type: ignore[no-untyped-def]
+        await asyncio.to_thread(gate.wait, 30)
+        return await write_many(items)
+
+    ssd_tier.write_many = held  # type: ignore[method-assign]
+    try:
+        ks = keys(2)
+        eng.store(ks)
+        eng.settle()
+        eng.evict_primary()
+        assert [eng.tier.lookup(k, eng.ctx) for k in ks] == [LookupResult.RETRY] * 2
+        gate.set()
+        assert eng.tier.store.drain(30)
+        assert [eng.tier.lookup(k, eng.ctx) for k in ks] == [HIT, HIT]
+    finally:
+        gate.set()
+        eng.stop()
