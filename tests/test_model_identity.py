@@ -194,8 +194,8 @@ def test_lora_fingerprint_is_cached_per_adapter_until_vllm_reloads_it(tmp_path: 
 
 def test_lora_whose_files_cannot_be_found_shares_keys_with_no_other_process(tmp_path: Path) -> None:
     missing = str(tmp_path / "not-downloaded")
-    here = _lora_hashes(_role(), SimpleNamespace(lora_name="x", lora_path=missing), "a")
-    assert _lora_hashes(_role(), SimpleNamespace(lora_name="x", lora_path=missing), "b") == here
+    here = _lora_hashes(_role(), SimpleNamespace(lora_name="support-bot", lora_path=missing), "a")
+    assert _lora_hashes(_role(), SimpleNamespace(lora_name="support-bot", lora_path=missing), "b") == here
     there, = _keys_in_new_process(missing)
     assert there != b"".join(here)
 
