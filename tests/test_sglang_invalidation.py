@@ -172,3 +172,16 @@ def test_launch_token_is_shared_through_the_process_group_store() -> None:
         assert token and launch_token() == token  # a second rank reads the first rank's token
     finally:
         dist.destroy_process_group()
+
+
+def test_close_gives_the_host_pool_its_clear_back(sgl: sh.Sglang) -> None:
+    """A detached backend no longer hangs on the pool; the next attached one gets every flush."""
+    backend, pool = make(sgl)
+    backend.close()
+    assert getattr(pool.clear, "__self__", None) is pool  # SGLang's own bound method again
+    again = sh.attach(sgl, backend.storage_config, pool)
+    try:
+        pool.clear()
+        assert again._epoch.resets == 1
+    finally:
+        again.close()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -68,6 +68,7 @@ class TieredHiCacheStorage(HiCacheStorage):
         self._epoch = KeyEpoch(launch_token())
         self._lock = threading.Lock()  # store construction and close
         self._warned_legacy = False
+        self._unhook: Callable[[], None] = lambda: None  # undoes the host pool hook (a detach, then a new attach)
 
     # --- SGLang wiring ---------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -103,6 +104,7 @@ class TieredHiCacheStorage(HiCacheStorage):
             return out
 
         pool.clear = clear_and_invalidate
+        self._unhook = lambda: setattr(pool, "clear", flush) if pool.clear is clear_and_invalidate else None
 
     def keys_of(self, page_hashes: Sequence[str], epoch: bytes | None = None) -> list[BlockKey]:
         assert self.namespace is not None
@@ -207,6 +209,7 @@ class TieredHiCacheStorage(HiCacheStorage):
     def close(self) -> None:
         with self._lock:
             store, self.store = self.store, None
+            self._unhook()
         if store is not None:
             store.close()
 
