@@ -24,7 +24,7 @@ from dynamo_tiered_kv.tiers.objectstore import (
     S3Backend,
     backend_from_url,
 )
-from dynamo_tiered_kv.tiers.objectstore.retry import call_with_retries
+from dynamo_tiered_kv.tiers.objectstore.retry import call_with_retries, shared_deadline
 from dynamo_tiered_kv.tiers.segments import SegmentEntry
 
 pytest_plugins = ["infra.fixtures_s3"]
@@ -190,6 +190,31 @@ async def test_retry_then_breaker_with_injected_clock() -> None:
     fast = RetryPolicy(max_attempts=2, base_delay_s=0, attempt_timeout_s=0.05)
     with pytest.raises(TierUnavailable, match="2 attempts"):
         await call_with_retries(slow, policy=fast, breaker=CircuitBreaker(), is_transient=lambda e: True, what="t")
+
+
+async def test_retries_share_the_callers_deadline() -> None:
+    """Under ``shared_deadline`` a hanging attempt gets its share of the time left, the later
+    attempts still run, and the call raises before the caller's deadline."""
+    calls = 0
+
+    async def hangs() -> str:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            await asyncio.Event().wait()  # a connection that went silent
+        return "ok"
+
+    pol = RetryPolicy(max_attempts=4, base_delay_s=0, max_delay_s=0, attempt_timeout_s=3600)
+    with shared_deadline(4.0):
+        got = await asyncio.wait_for(call_with_retries(hangs, policy=pol, breaker=CircuitBreaker(),
+                                                       is_transient=lambda e: True, what="t"), 30)
+    assert got == "ok" and calls == 3  # the third attempt ran inside the 4 s (after shares of 1 s, 1 s)
+    calls = -100  # every attempt hangs
+    with shared_deadline(1.0), pytest.raises(TierUnavailable, match="failed after"):
+        await asyncio.wait_for(call_with_retries(hangs, policy=pol, breaker=CircuitBreaker(),
+                                                 is_transient=lambda e: True, what="t"), 30)
+    with shared_deadline(0.0), pytest.raises(TierUnavailable, match="no time left"):  # spent: no request
+        await call_with_retries(hangs, policy=pol, breaker=CircuitBreaker(), is_transient=lambda e: True, what="t")
 
 
 def test_backoff_is_bounded_jitter() -> None:

@@ -219,3 +219,61 @@ async def test_server_dying_mid_upload_loses_no_sealed_data(tmp_path: Path, serv
         assert got == [len(r) for r in recs] and [bytes(b) for b in bufs] == recs
     await tier.close()
     await fresh.close()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "aiobotocore"])
+@pytest.mark.parametrize("mode", ["reset_half", "stall_half"])
+async def test_a_response_cut_in_its_first_segment_misses_well_before_the_deadline(
+        server: S3Server, proxy: FaultProxy, mode: str, direct: bool) -> None:
+    """For 6 s every GET gets half of the server's first segment (cut inside the headers), then
+    the connection is reset, or the reset never reaches the client. The load ends long before
+    read_timeout_s (a miss, or a hit once the fault is over), not at the deadline."""
+    bucket = unique_bucket("halfseg")
+    backend = S3Backend(bucket, "h/", **{**server.backend_kwargs(), "endpoint_url": proxy.endpoint},
+                        direct_reads=direct)
+    tier = ObjectTier(backend, read_timeout_s=30)  # defaults otherwise: RetryPolicy(), 30 s headers wait
+    await tier.open()
+    await tier.wait_ready(30)
+    recs = _recs(4, layers=16)
+    await tier.write_many((k, memoryview(v)) for k, v in recs)
+    proxy.half_max = 100  # the status line and part of the headers
+    proxy.set_mode(mode, for_s=6.0)
+    proxy.sever()
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    try:
+        got = await _read_all(tier, recs)
+    except TierUnavailable:
+        got = [None] * len(recs)
+    took = loop.time() - t0
+    assert got in ([None] * len(recs), [v for _, v in recs])  # a miss or every record, never partial bytes
+    assert took < tier.read_timeout_s / 2, f"{mode}: the load took {took:.1f} s (deadline {tier.read_timeout_s} s)"
+    assert proxy.faults >= 1
+    proxy.set_mode("pass")
+    proxy.sever()
+    assert await _read_all(tier, recs) == [v for _, v in recs]
+    await tier.close()
+
+
+async def test_direct_get_cut_inside_the_headers_fails_after_the_idle_timeout(server: S3Server,
+                                                                            proxy: FaultProxy) -> None:
+    """A response that stops inside its headers, its reset lost, fails its attempt after
+    body_idle_timeout_s, not after read_timeout_s (the wait for a response's first byte)."""
+    bucket = unique_bucket("halfhead")
+    one = RetryPolicy(max_attempts=1)  # no retries and no shared deadline: the reader's own bounds
+    backend = S3Backend(bucket, "h/", **{**server.backend_kwargs(), "endpoint_url": proxy.endpoint},
+                        retry=one, read_timeout_s=60, body_idle_timeout_s=1.0)
+    await backend.open()
+    await backend.put_object("o", b"x" * 100_000)
+    proxy.half_max = 100
+    proxy.set_mode("stall_half")
+    proxy.sever()
+    buf = bytearray(50_000)
+    with pytest.raises(TierUnavailable, match="BodyStalled") as err:
+        await asyncio.wait_for(backend.get_range("o", 0, [memoryview(buf)]), HANG_GUARD_S / 2)
+    assert "into the response" in str(err.value)
+    assert backend.stats.direct_fallbacks == 0
+    proxy.set_mode("pass")
+    proxy.sever()
+    assert await backend.get_range("o", 0, [memoryview(buf)]) == len(buf) and bytes(buf) == b"x" * 50_000
+    await backend.close()

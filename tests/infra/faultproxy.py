@@ -20,7 +20,13 @@ Modes (applied per new connection; ``count`` limits how many connections get the
               (a connection reset in the middle of a GET body)
 ``stall_body`` the same, but then stop forwarding and keep the connection open: a reset that
               never reaches the client (lost RST, a middlebox that dropped the flow)
+``reset_half`` forward the first half of the server's first segment (status line, headers, the
+              first body bytes), then RST both the client and the server connection
+``stall_half`` the same cut (``half_max`` bytes at most: inside the headers when small), then
+              RST the server but keep the client connection open and silent: the client's
+              reset never arrives
 
+``set_mode(..., for_s=...)`` limits the fault to connections opened within that many seconds.
 ``sever()`` closes every open connection (a server dying mid-transfer).
 """
 
@@ -30,10 +36,12 @@ import asyncio
 import contextlib
 import socket
 import struct
+import time
 
 _SLOWDOWN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown</Code>"
              b"<Message>Please reduce your request rate.</Message></Error>")
-MODES = ("pass", "delay", "drop", "reset", "http503", "stall", "truncate", "corrupt", "reset_body", "stall_body")
+MODES = ("pass", "delay", "drop", "reset", "http503", "stall", "truncate", "corrupt", "reset_body", "stall_body",
+         "reset_half", "stall_half")
 
 
 class FaultProxy:
@@ -42,10 +50,12 @@ class FaultProxy:
         self._bind = (host, port)
         self.mode = "pass"
         self.count: int | None = None
+        self.until: float | None = None  # monotonic end of the fault window
         self.delay_s = 0.5
         self.truncate_after = 64 * 1024
         self.corrupt_offset = 5000
         self.body_after = 16 * 1024
+        self.half_max: int | None = None  # cap of the ``*_half`` cut
         self.connections = 0
         self.faults = 0
         self._server: asyncio.AbstractServer | None = None
@@ -58,10 +68,11 @@ class FaultProxy:
         host, port = self._server.sockets[0].getsockname()[:2]
         return f"http://{host}:{port}"
 
-    def set_mode(self, mode: str, *, count: int | None = None) -> None:
+    def set_mode(self, mode: str, *, count: int | None = None, for_s: float | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}")
         self.mode, self.count = mode, count
+        self.until = None if for_s is None else time.monotonic() + for_s
 
     async def start(self) -> FaultProxy:
         self._server = await asyncio.start_server(self._handle, *self._bind)
@@ -85,7 +96,7 @@ class FaultProxy:
             _rst(w)
 
     def _take_mode(self) -> str:
-        if self.mode == "pass":
+        if self.mode == "pass" or (self.until is not None and time.monotonic() >= self.until):
             return "pass"
         if self.count is not None:
             if self.count <= 0:
@@ -122,7 +133,7 @@ class FaultProxy:
             up_r, up_w = await asyncio.open_connection(*self.upstream)
             self._writers.add(up_w)
             try:
-                await asyncio.gather(self._pipe(reader, up_w, "up"), self._pipe(up_r, writer, mode))
+                await asyncio.gather(self._pipe(reader, up_w, "up"), self._pipe(up_r, writer, mode, up_w))
             finally:
                 self._writers.discard(up_w)
                 up_w.close()
@@ -134,7 +145,8 @@ class FaultProxy:
                 writer.close()
             self._tasks.discard(task)
 
-    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, mode: str) -> None:
+    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, mode: str,
+                    src_w: asyncio.StreamWriter | None = None) -> None:
         sent = 0
         corrupter = _BodyCorrupter(self.corrupt_offset) if mode == "corrupt" else None
         head = b""
@@ -144,6 +156,16 @@ class FaultProxy:
                 chunk = await src.read(65536)
                 if not chunk:
                     break
+                if mode in ("reset_half", "stall_half"):
+                    cut = max(1, len(chunk) // 2)
+                    dst.write(chunk[: cut if self.half_max is None else min(cut, self.half_max)])
+                    await dst.drain()
+                    if src_w is not None:
+                        _rst(src_w)
+                    if mode == "stall_half":
+                        await dst.wait_closed()  # silent until the client gives up (or sever())
+                    _rst(dst)
+                    return
                 if mode in ("reset_body", "stall_body"):
                     if body_start < 0:
                         head += chunk

@@ -51,7 +51,7 @@ class DirectGetUnsupported(Exception):
 
 
 class BodyStalled(ConnectionError):
-    """The server sent nothing for the idle timeout (before the headers: the read timeout)."""
+    """The server sent nothing for the idle timeout (before its first response byte: the read timeout)."""
 
 
 class _Response(asyncio.BufferedProtocol):
@@ -268,8 +268,8 @@ class DirectRangeReader:
         client: the backend's aiobotocore S3 client (used to presign only).
         bucket: the bucket every key lives in.
         connect_timeout_s: TCP (and TLS) connect bound.
-        read_timeout_s: bound on the wait for the response headers.
-        body_idle_timeout_s: longest silence once the body flows.
+        read_timeout_s: bound on the wait for the first response byte.
+        body_idle_timeout_s: longest silence once the response has begun (headers or body).
         verify_tls: as for botocore: False skips certificate checks, a path is a CA bundle.
     """
 
@@ -337,9 +337,11 @@ class DirectRangeReader:
             f"Accept-Encoding: identity\r\nUser-Agent: dynamo-tiered-kv\r\n\r\n".encode("latin-1"))
         sent = time.monotonic()
         while True:
-            # until the headers: read_timeout_s from the request; then body_idle_timeout_s of silence
-            headers = conn.status != 0
-            limit = conn.last_io + self.body_idle_timeout_s if headers else sent + self.read_timeout_s
+            # until the first response byte: read_timeout_s from the request (the server is still
+            # working); from then on body_idle_timeout_s of silence, headers included (a response
+            # cut inside its headers whose reset never arrives must not hold the read)
+            started = conn.progress > 0
+            limit = conn.last_io + self.body_idle_timeout_s if started else sent + self.read_timeout_s
             left = limit - time.monotonic()
             if left > 0:
                 await asyncio.wait((done,), timeout=min(left, self.body_idle_timeout_s))
@@ -347,8 +349,9 @@ class DirectRangeReader:
                 done.result()  # raises what the protocol failed with
                 return
             if left <= 0:
-                what = f"{self.body_idle_timeout_s}s of the body" if headers else f"{self.read_timeout_s}s"
-                raise BodyStalled(f"no response bytes for {what} ({conn.got} of {total} body bytes)")
+                what = f"{self.body_idle_timeout_s}s into the response" if started else f"{self.read_timeout_s}s"
+                raise BodyStalled(f"no response bytes for {what} ({conn.progress} bytes, {conn.got} of {total} "
+                                  "body bytes)")
 
     # --- connections ------------------------------------------------------------------------------
     async def _connection(self, parts: urllib.parse.SplitResult, fresh: bool = False) -> _Response:

@@ -5,6 +5,12 @@ A transient fault (5xx, SlowDown, timeouts, resets) is retried up to ``max_attem
 clients hitting one overloaded server spread out instead of retrying in lockstep. Every attempt
 has its own timeout, so a call is bounded by roughly ``max_attempts * (attempt_timeout + max_delay)``.
 
+A caller with a deadline of its own (the object tier's ``read_timeout_s``) runs its calls inside
+``shared_deadline``: then every attempt gets at most its share of the time left (``left /
+attempts left``) and no attempt or backoff starts past the deadline. One attempt stuck on a
+connection that went silent can no longer spend the whole budget: the retries still run, and
+the call raises ``TierUnavailable`` before the caller's own timeout.
+
 The breaker counts operations that failed *after* their retries. ``failure_threshold`` of them in
 a row open it: calls then fail at once with ``TierUnavailable`` (no network traffic) for
 ``cooldown_s``. After that one call at a time is let through as a probe (half-open); a success
@@ -14,11 +20,13 @@ closes the breaker, a failure re-opens it for another cooldown.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import random
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -27,6 +35,28 @@ from ...errors import TierUnavailable
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _rng = random.Random()
+# the monotonic deadline of the calls of this context (tasks created inside inherit it)
+_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("dtkv_retry_deadline", default=None)
+
+
+@contextlib.contextmanager
+def shared_deadline(seconds: float) -> Iterator[None]:
+    """Retried calls made inside (in tasks created inside, too) end within ``seconds`` from now.
+    An enclosing earlier deadline stays in force."""
+    end = time.monotonic() + seconds
+    outer = _deadline.get()
+    token = _deadline.set(end if outer is None else min(outer, end))
+    try:
+        yield
+    finally:
+        _deadline.reset(token)
+
+
+def detach_deadline() -> None:
+    """Lift the ``shared_deadline`` for the rest of the current task (one started inside it that
+    outlives the caller: a quarantine marker, a delete); a task's context is its own copy, so
+    nothing outside it changes."""
+    _deadline.set(None)
 
 
 @dataclass(frozen=True)
@@ -137,9 +167,18 @@ async def call_with_retries(attempt: Callable[[], Awaitable[T]], *, policy: Retr
     """
     probe = breaker.before_call()
     last: BaseException | None = None
+    deadline = _deadline.get()
+    tries = 0
     for n in range(policy.max_attempts):
+        limit = policy.attempt_timeout_s
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            limit = min(limit, left / (policy.max_attempts - n))  # the later attempts keep their share
+        tries += 1
         try:
-            result = await with_timeout(attempt(), policy.attempt_timeout_s)
+            result = await with_timeout(attempt(), limit)
         except asyncio.CancelledError:
             if probe:
                 breaker.on_failure(True)
@@ -155,10 +194,14 @@ async def call_with_retries(attempt: Callable[[], Awaitable[T]], *, policy: Retr
             breaker.on_success(probe)
             return result
         if n + 1 < policy.max_attempts:
+            delay = policy.backoff(n)
+            if deadline is not None and time.monotonic() + delay >= deadline:
+                break
             if on_retry is not None:
                 on_retry()
             log.debug("%s: transient %s, retry %d", what, type(last).__name__, n + 1)
-            await asyncio.sleep(policy.backoff(n))
+            await asyncio.sleep(delay)
     breaker.on_failure(probe)
-    raise TierUnavailable(f"{what} failed after {policy.max_attempts} attempts: "
-                          f"{type(last).__name__}: {last}") from last
+    why = f"{type(last).__name__}: {last}" if last is not None else "no time left"
+    raise TierUnavailable(f"{what} failed after {tries} attempts"
+                          f"{' (deadline reached)' if tries < policy.max_attempts else ''}: {why}") from last

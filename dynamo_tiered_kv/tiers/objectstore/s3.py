@@ -9,10 +9,12 @@
 * Reads: one ranged GET per call, received straight into the caller's buffers by
   ``direct_get.DirectRangeReader`` (presigned by this client, on keep-alive connections of its
   own: 40% of the CPU of aiobotocore's body path); ``direct_reads=False``, or a server or
-  environment it cannot handle, reads through aiobotocore instead. Once the body
-  flows, a gap longer than ``body_idle_timeout_s`` fails the attempt (and it is retried): a
-  connection cut mid-body whose reset never reaches us would otherwise hold the read for the
-  whole socket timeout, past the tier's read budget, instead of failing over in seconds.
+  environment it cannot handle, reads through aiobotocore instead. Once the response
+  begins (the direct reader: its first byte; aiobotocore: the body), a gap longer than
+  ``body_idle_timeout_s`` fails the attempt (and it is retried): a connection cut mid-response
+  whose reset never reaches us would otherwise hold the read for the whole socket timeout, past
+  the tier's read budget, instead of failing over in seconds. Reads under the tier's
+  ``shared_deadline`` (``retry.py``) also give each attempt only its share of the budget.
 * Payloads are signed with a plain Content-Length and checksums are only sent when an operation
   requires them (``request_checksum_calculation="when_required"``): Ceph RGW answers the
   aws-chunked uploads newer SDKs send by default with HTTP 411.
@@ -102,8 +104,8 @@ class S3Backend(ObjectBackend):
         part_bytes: multipart part size (>= 5 MiB); sources up to this size are one PUT.
         max_concurrency: parts in flight per upload, and the HTTP connection pool size.
         connect_timeout_s, read_timeout_s: socket timeouts handed to botocore.
-        body_idle_timeout_s: longest silence between chunks of a GET body before the attempt is
-            abandoned and retried on a fresh connection.
+        body_idle_timeout_s: longest silence in a GET response once it began (direct reads: headers
+            too) before the attempt is abandoned and retried on a fresh connection.
         retry: retry policy (attempts, backoff, per-attempt timeout).
         breaker_threshold, breaker_cooldown_s: circuit breaker settings.
         create_bucket: create the bucket at ``open()`` if it does not exist (tests, benches).

@@ -23,8 +23,10 @@
   deleted; the data becomes an orphan that ``gc`` removes after its grace period, so readers
   that still hold the old index keep working meanwhile).
 * Faults surface as ``TierUnavailable`` within ``read_timeout_s`` (plus the end of a local-directory
-  pread already running); the store treats them as misses. When ``read_many`` returns or raises,
-  none of its GETs can write into the callers' buffers any more (a failed read stops the rest).
+  pread already running); the store treats them as misses. The backend's retries share that
+  budget (``retry.shared_deadline``): one stuck attempt takes its share, not all of it. When
+  ``read_many`` returns or raises, none of its GETs can write into the callers' buffers any more
+  (a failed read stops the rest).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from .index import release_free_heap
 from .layout import SNAPSHOT_NAME, NamespaceView, manifest_after, ns_prefix
 from .manifest import MANIFEST_DIR, Manifest, ManifestError
 from .quarantine import new_marker, record_fails, write_marker
-from .retry import with_timeout
+from .retry import detach_deadline, shared_deadline, with_timeout
 from .snapshot import SnapshotError
 from .snapshot import decode as decode_snapshot
 from .snapshot import encode as encode_snapshot
@@ -426,16 +428,18 @@ class ObjectTier(ObjectWrites, Tier):
             runs.append((obj, run))
         if not runs:
             return results
-        tasks = [asyncio.ensure_future(self._read_run(o, run, results)) for o, run in runs]
-        try:
-            await with_timeout(asyncio.gather(*tasks), self.read_timeout_s)
-        except BaseException as e:
-            # The runs scatter into the callers' buffers, which the caller reuses once we raise:
-            # stop every run and wait until none of them can write any more.
-            await _cancel_and_wait(tasks)
-            if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
-                raise TierUnavailable(f"object tier read timed out after {self.read_timeout_s}s") from None
-            raise
+        # the backend's retries share this call's budget: a silent connection costs one attempt's share
+        with shared_deadline(self.read_timeout_s):
+            tasks = [asyncio.ensure_future(self._read_run(o, run, results)) for o, run in runs]
+            try:
+                await with_timeout(asyncio.gather(*tasks), self.read_timeout_s)
+            except BaseException as e:
+                # The runs scatter into the callers' buffers, which the caller reuses once we raise:
+                # stop every run and wait until none of them can write any more.
+                await _cancel_and_wait(tasks)
+                if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
+                    raise TierUnavailable(f"object tier read timed out after {self.read_timeout_s}s") from None
+                raise
         return results
 
     async def _read_run(self, obj: _Obj, run: list[_Want], results: list[int | None]) -> None:
@@ -509,8 +513,9 @@ class ObjectTier(ObjectWrites, Tier):
             return False
         data, e = loc[0].manifest.data, loc[1]
         try:
-            why = await with_timeout(record_fails(self.backend, data, e.offset, e.length, key, reads=1),
-                                     self.read_timeout_s)
+            with shared_deadline(self.read_timeout_s):
+                why = await with_timeout(record_fails(self.backend, data, e.offset, e.length, key, reads=1),
+                                         self.read_timeout_s)
             if why is not None:
                 await self._quarantine(key, data, e.offset, e.length, why)
         except (TierUnavailable, asyncio.TimeoutError, TimeoutError) as err:
@@ -530,6 +535,7 @@ class ObjectTier(ObjectWrites, Tier):
 
     def _spawn(self, coro) -> None:
         async def guarded() -> None:
+            detach_deadline()  # spawned by a read, it is not bounded by that read's budget
             try:
                 await coro
             except TierUnavailable as e:
