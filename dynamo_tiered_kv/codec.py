@@ -157,16 +157,15 @@ def encode_blocks(
     rb, hb, lb, nl = record_bytes(shape), header_bytes(shape.num_layers), shape.layer_bytes, shape.num_layers
     dst = checked_output(shape, block_ids, namespaces, keys, parents, out)
     n = len(block_ids)
+    _check_block_ids(layout, block_ids)
     if layout.is_cuda:
         import torch
 
-        from kernels import gather_records
+        from .device_copy import queue_save
 
-        ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
-        gather_records(layout.layer_views, ids, torch.from_numpy(dst), record_bytes=rb, header_bytes=hb, layer_bytes=lb)
-        layout.synchronize()
+        queue_save(layout.layer_views, layout.device, block_ids, torch.from_numpy(dst), record_bytes=rb,
+                   header_bytes=hb, layer_bytes=lb).synchronize()
         return seal_records(dst, shape, layout.kind, namespaces, keys, parents)
-    _check_block_ids(layout, block_ids)
     table = layout.fast_table()
     if table is not None:  # compiled path: one call for the whole batch, GIL released
         sums_all = np.empty((n, nl), dtype=np.uint64)
@@ -343,20 +342,8 @@ def decode_block(buf, layout: EngineLayout, block_id: int, *, namespace: bytes, 
     h64 = xxhash.xxh3_64_intdigest
     mv = memoryview(a)
     if layout.is_cuda:
-        import torch
-
-        from kernels import scatter_records
-
         verify_record(a, namespace=namespace, key=key, shape=layout.shape)  # all of it before the async copy
-        scatter_records(
-            torch.from_numpy(a),
-            layout.layer_views,
-            torch.tensor([block_id]),
-            record_bytes=hdr.record_bytes,
-            header_bytes=hb,
-            layer_bytes=lb,
-        )
-        layout.synchronize()
+        _restore_cuda(layout, [a], [block_id], None)
         return hdr
     table = layout.fast_table()
     if table is not None:
@@ -395,6 +382,8 @@ def decode_blocks(
     if a.nbytes < n * rb:
         raise ValueError(f"buffer holds {a.nbytes} bytes, {n} records need {n * rb}")
     _check_block_ids(layout, block_ids)
+    if layout.is_cuda:
+        return _decode_cuda([a[i * rb : (i + 1) * rb] for i in range(n)], layout, block_ids, namespace, keys, a)
     table = layout.fast_table()
     if table is None:
         out: list[RecordError | None] = []
@@ -439,6 +428,8 @@ def decode_records(
     if any(r.nbytes < rb or not r.flags.c_contiguous for r in recs):
         raise ValueError(f"every record must be a contiguous buffer of at least {rb} bytes")
     _check_block_ids(layout, block_ids)
+    if layout.is_cuda:
+        return _decode_cuda(recs, layout, block_ids, namespace, keys, None)
     table = layout.fast_table()
     if table is None:
         return [decode_blocks(r, layout, [b], namespace=namespace, keys=[k])[0]
@@ -449,6 +440,32 @@ def decode_records(
     fast.decode_ptrs(table, ptrs, header_bytes(layout.shape.num_layers), prefix, desc, namespace, b"".join(keys),
                      np.asarray(block_ids, dtype=np.int64), status)
     return _errors(status, recs.__getitem__, layout, namespace, keys)
+
+
+def _decode_cuda(recs: Sequence[np.ndarray], layout: EngineLayout, block_ids: Sequence[int], namespace: bytes,
+                 keys: Sequence[bytes], chunk: np.ndarray | None) -> list[RecordError | None]:
+    """CUDA batch restore: every record verified on the host first, then the good ones reach the
+    engine with one host-to-device copy and one scatter (``device_copy.restore_records``)."""
+    errors: list[RecordError | None] = [None] * len(recs)
+    for i, r in enumerate(recs):
+        try:
+            verify_record(r, namespace=namespace, key=keys[i], shape=layout.shape)
+        except RecordError as e:
+            errors[i] = e
+    good = [i for i in range(len(recs)) if errors[i] is None]
+    if good:
+        whole = chunk if len(good) == len(recs) else None  # back to back and all good: upload as is
+        _restore_cuda(layout, [recs[i] for i in good], [block_ids[i] for i in good], whole)
+    return errors
+
+
+def _restore_cuda(layout: EngineLayout, recs: Sequence[np.ndarray], block_ids: Sequence[int],
+                  chunk: np.ndarray | None) -> None:
+    from .device_copy import restore_records
+
+    shape = layout.shape
+    restore_records(recs, layout.layer_views, layout.device, block_ids, record_bytes=record_bytes(shape),
+                    header_bytes=header_bytes(shape.num_layers), layer_bytes=shape.layer_bytes, chunk=chunk)
 
 
 def _errors(status: np.ndarray, rec: Callable[[int], np.ndarray], layout: EngineLayout, namespace: bytes,
