@@ -238,7 +238,17 @@ def test_host_tier_default_follows_the_environment(tmp_path: Path, monkeypatch: 
         assert [t.name for t in eng.tier.store.tiers] == ["host", "ssd"]
     finally:
         eng.stop()
-    assert not os.path.exists("/dev/shm/" + eng.spec._engine_id)
+
+
+def test_shutdown_lets_vllm_unmap_its_region(tmp_path: Path) -> None:
+    """Our views of vLLM's shared region are gone after the tier's shutdown, so vLLM's primary
+    tier releases its memoryview and unmaps and unlinks the region."""
+    eng = Engine.start(ssd(tmp_path))
+    region = eng.manager.primary_tier._mmap_region
+    eng.store(keys(2))
+    eng.settle()
+    eng.stop()
+    assert region.mmap_obj is None and not os.path.exists(region.mmap_path)
 
 
 def test_a_chunk_on_its_way_to_the_ssd_is_retry_then_hit(tmp_path: Path) -> None:
@@ -269,3 +279,30 @@ def test_a_chunk_on_its_way_to_the_ssd_is_retry_then_hit(tmp_path: Path) -> None
     finally:
         gate.set()
         eng.stop()
+
+
+def test_the_namespace_follows_the_engine_model_identity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built inside vLLM's current config (as the scheduler builds its connector), the tier names
+    the model by our model identity: another revision of the same model never sees the chunks."""
+    from types import SimpleNamespace
+
+    import vllm.config.vllm as vllm_config_module
+
+    def engine_at(revision: str) -> Engine:
+        model = SimpleNamespace(model="org/model", revision=revision, quantization=None, hf_overrides=None,
+                                hf_config=None, dtype="bfloat16")
+        monkeypatch.setattr(vllm_config_module, "_current_vllm_config",
+                            SimpleNamespace(model_config=model, cache_config=SimpleNamespace(cache_dtype="auto")))
+        return Engine.start(ssd(tmp_path))
+
+    ks = keys(2)
+    first = engine_at("r1")
+    assert first.tier.namespace.model_id == "org/model@r1"
+    first.store(ks)
+    first.stop()
+    for revision, expect in (("r2", [MISS, MISS]), ("r1", [HIT, HIT])):
+        eng = engine_at(revision)
+        try:
+            assert eng.lookup(ks) == expect
+        finally:
+            eng.stop()
