@@ -2,7 +2,8 @@
 scattered on the calling thread, several chunks in flight.
 
 * A load is cut into chunks: a small first one (decode starts after ~1 MiB has arrived, not a
-  whole chunk), then ``load_chunk_bytes`` each. Up to ``load_depth`` chunks are read ahead, each
+  whole chunk), then ``load_chunk_bytes`` each; a load of at most one chunk is one chunk (nothing
+  to overlap a small first chunk with). Up to ``load_depth`` chunks are read ahead, each
   into its own staging slab taken without waiting (one slab is left free for offloads).
 * Within a chunk, every run of blocks whose fastest tier is the same is cut into up to the
   tier's read parallelism pieces (``read_parallelism``, or the object tier's ``max_concurrency``)
@@ -172,7 +173,9 @@ class ChunkReads:
         deadline = None if timeout is None else time.monotonic() + timeout
         rb = record_bytes(layout.shape)
         per_chunk = min(self._slab_bytes(layout) // rb, max(1, self.load_chunk_bytes // rb))
-        first = max(1, min(per_chunk, self.load_first_chunk_bytes // rb))
+        # a small first chunk lets verify+scatter start while the rest is read; a load of at most
+        # one chunk has no rest to overlap with: one chunk, read as few requests as the tier allows
+        first = n if n <= per_chunk else max(1, min(per_chunk, self.load_first_chunk_bytes // rb))
         in_place_ok = layout.fast_table() is not None
         inflight: deque[ChunkRead] = deque()
         decoder = _ChunkDecoder(pacer, deadline, rb, fan=in_place_ok)

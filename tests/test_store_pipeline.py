@@ -86,6 +86,25 @@ def test_pieces_keep_order_and_stages_are_reported(pool: StagingPool, monkeypatc
         assert pool.free_count == 6
 
 
+def test_a_load_of_at_most_one_chunk_is_one_chunk_and_one_ssd_read(pool: StagingPool, tmp_path) -> None:
+    """A small prefix has nothing to overlap its first chunk with: split, it pays a second read
+    (and wake-up) in sequence. Real SSD tier, O_DIRECT segment file."""
+    from dynamo_tiered_kv.tiers.ssd import SSDTier
+
+    ssd = SSDTier(tmp_path / "ssd", capacity_bytes=64 * REC, segment_bytes=64 * REC, io="odirect")
+    store, src, keys = _filled([ssd], pool, 6, load_chunk_bytes=8 * REC, load_first_chunk_bytes=2 * REC)
+    with store:
+        before = ssd.io_stats["read_requests"]
+        dst = make_layout(64)
+        res = store.load(dst, list(range(30, 36)), keys, timeout=10)
+        assert res.loaded_block_ids == list(range(30, 36))
+        for s, d in zip(range(1, 7), range(30, 36), strict=True):
+            assert block_bytes(src, s) == block_bytes(dst, d)
+        assert res.stages.chunks == 1
+        assert ssd.io_stats["read_requests"] - before == 1  # the records lie back to back: one preadv
+    _all_slabs_back(pool)
+
+
 def test_tier_read_parallelism_bounds_reads_in_flight_across_chunks(pool: StagingPool, monkeypatch) -> None:
     ssd = PieceTier("ssd", 64 * REC)
     ssd.read_parallelism = 2  # type: ignore[misc]
