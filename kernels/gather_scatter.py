@@ -7,6 +7,7 @@ Engine geometry: per layer a byte view ``[num_blocks, planes, plane_bytes]`` (``
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -20,8 +21,20 @@ except Exception:  # pragma: no cover - depends on the install
     _HAVE_TRITON = False
 
 
+#: Triton's interpreter (``TRITON_INTERPRET=1``) runs the kernel on CPU tensors: how CI checks it
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def triton_available() -> bool:
     return _HAVE_TRITON and torch.cuda.is_available()
+
+
+def _use_triton(dev: torch.device, buf: torch.device, layer_views: Sequence[torch.Tensor]) -> bool:
+    if not (_HAVE_TRITON and _flat_planes(layer_views)):
+        return False
+    if dev.type == "cuda":
+        return buf.type == "cuda" and torch.cuda.is_available()
+    return _INTERPRET and dev.type == buf.type == "cpu"
 
 
 def _record_views(
@@ -58,7 +71,7 @@ def gather_records(
     dev = layer_views[0].device
     if n == 0:
         return
-    if dev.type == "cuda" and out.device.type == "cuda" and triton_available() and _flat_planes(layer_views):
+    if _use_triton(dev, out.device, layer_views):
         _triton_move(layer_views, block_ids, out, record_bytes, header_bytes, layer_bytes, gather=True)
         return
     dst = _record_views(out, n, record_bytes, header_bytes, layer_bytes, nl, planes)
@@ -85,7 +98,7 @@ def scatter_records(
     dev = layer_views[0].device
     if n == 0:
         return
-    if dev.type == "cuda" and records.device.type == "cuda" and triton_available() and _flat_planes(layer_views):
+    if _use_triton(dev, records.device, layer_views):
         _triton_move(layer_views, block_ids, records, record_bytes, header_bytes, layer_bytes, gather=False)
         return
     src = _record_views(records, n, record_bytes, header_bytes, layer_bytes, nl, planes)
@@ -129,6 +142,23 @@ if _HAVE_TRITON:
             tl.store(eng, tl.load(rec, mask=mask), mask=mask)
 
 
+_tables: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+
+
+def _pointer_table(layer_views: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The layers' base addresses on their device, built once per set of KV tensors (an engine
+    registers its caches once), so no call pays a host-to-device copy for it."""
+    dev = layer_views[0].device
+    key = (dev, tuple(v.data_ptr() for v in layer_views))
+    t = _tables.get(key)
+    if t is None:
+        if len(_tables) >= 64:  # tests and benches build many layouts; an engine keeps one
+            _tables.clear()
+        host = torch.tensor(key[1], dtype=torch.int64)
+        t = _tables[key] = host.to(dev) if dev.type == "cuda" else host
+    return t
+
+
 def _triton_move(
     layer_views: Sequence[torch.Tensor],
     block_ids: torch.Tensor,
@@ -138,13 +168,15 @@ def _triton_move(
     layer_bytes: int,
     *,
     gather: bool,
-) -> None:  # pragma: no cover
+) -> None:
     v0 = layer_views[0]
     planes, plane_bytes = int(v0.shape[1]), int(v0.shape[2])
     if any(v.stride() != v0.stride() for v in layer_views):
         raise ValueError("all layer views must share strides")
-    ptrs = torch.tensor([v.data_ptr() for v in layer_views], dtype=torch.int64, device=v0.device)
-    ids = block_ids.to(device=v0.device, dtype=torch.int64)
+    ptrs = _pointer_table(layer_views)
+    ids = block_ids.to(dtype=torch.int64)
+    if ids.device != v0.device:
+        ids = (ids.pin_memory() if v0.device.type == "cuda" else ids).to(v0.device, non_blocking=True)
     chunk = 4096
     grid = (int(ids.numel()), len(layer_views) * planes, triton.cdiv(plane_bytes, chunk))
     _move_kernel[grid](
