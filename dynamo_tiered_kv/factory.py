@@ -234,7 +234,7 @@ def _gpu_direct(config: TieredKVConfig) -> tuple[DeviceIO, DeviceStagingPool] | 
         return None
     from .tiers.ssd.io import gds_verdict
 
-    if not gds_verdict().available:  # logs its reason and sets dtkv_ssd_gds_available
+    if not gds_verdict(config.ssd_dir).available:  # self-test in the SSD directory; logs, sets the gauge
         return None
     try:  # pragma: no cover - GPU + GDS only
         from .tiers.ssd.gds import DeviceIO

@@ -119,7 +119,7 @@ def test_gpu_direct_needs_cuda_and_a_passing_gds_probe(tmp_path: Path, monkeypat
             store.close()
     probed: list[bool] = []
 
-    def verdict() -> ssd_io.GdsVerdict:
+    def verdict(directory: object = None) -> ssd_io.GdsVerdict:
         probed.append(True)
         return ssd_io.GdsVerdict(False, "nvidia-fs not loaded")
 

@@ -412,48 +412,35 @@ def select_io(directory: Path, mode: str) -> PosixIO:
 class GdsVerdict:
     available: bool
     reason: str
+    mode: str = "none"  # gpudirect (true GPUDirect), compat (cuFile would only copy through the host), none
 
 
-def probe_gds() -> GdsVerdict:
-    """Can NIXL GDS_MT move bytes between GPU memory and files here? Never raises or hangs.
+def probe_gds(directory: Path | None = None) -> GdsVerdict:
+    """Can NIXL GDS_MT move bytes between GPU memory and files here, without cuFile's compatibility
+    mode? Never raises or hangs; ``gds_probe`` has the details. The caller logs the verdict."""
+    from .gds_probe import probe
 
-    Creating the GDS_MT backend is the probe (it needs libcufile and the NVIDIA driver); on a
-    machine without them it fails in about a millisecond. The caller logs the verdict.
-    """
     try:
-        api = _import_nixl()
-    except Exception as e:
-        return GdsVerdict(False, f"nixl not importable: {e}")
-    try:
-        ag = api.nixl_agent(f"dtkv-gds-probe-{os.getpid()}",
-                            api.nixl_agent_config(enable_prog_thread=False, backends=[]))
-        ag.create_backend("GDS_MT", {})
-    except Exception as e:
-        return GdsVerdict(False, f"GDS_MT backend failed: {type(e).__name__}: {e}")
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return GdsVerdict(False, "GDS_MT loaded but no CUDA device")
-    except Exception as e:  # pragma: no cover - torch always present
-        return GdsVerdict(False, f"torch: {e}")
-    return GdsVerdict(True, "GDS_MT backend created")  # pragma: no cover - GPU + GDS only
+        return probe(directory)
+    except Exception as e:  # pragma: no cover - the probe catches its own failures
+        return GdsVerdict(False, f"probe failed: {type(e).__name__}: {e}", "none")
 
 
 _GDS: GdsVerdict | None = None
 _GDS_LOCK = threading.Lock()
 
 
-def gds_verdict() -> GdsVerdict:
-    """Probe GPUDirect Storage once per process; say loudly when it is not usable."""
+def gds_verdict(directory: Path | None = None) -> GdsVerdict:
+    """Probe GPUDirect Storage once per process (the first caller's ``directory`` holds the
+    self-test file); say loudly when it is not usable."""
     global _GDS
     with _GDS_LOCK:
         if _GDS is None:
-            _GDS = probe_gds()
+            _GDS = probe_gds(directory)
             metrics.GDS_AVAILABLE.set(1 if _GDS.available else 0)
             if _GDS.available:
-                log.info("SSD tier: GPUDirect Storage probe: %s", _GDS.reason)
+                log.info("SSD tier: GPUDirect Storage (%s): %s", _GDS.mode, _GDS.reason)
             else:
-                log.warning("SSD tier: GPUDirect Storage unavailable (%s); GPU blocks take the host-bounce "
-                            "path through staging slabs", _GDS.reason)
+                log.warning("SSD tier: GPUDirect Storage unavailable (mode %s: %s); GPU blocks take the host-bounce "
+                            "path through staging slabs", _GDS.mode, _GDS.reason)
         return _GDS
