@@ -225,10 +225,24 @@ def test_kv_hints_are_kept_on_the_request_context(tmp_path: Path) -> None:
     ({"ssd_dirr": "/tmp/x"}, "ssd_dirr: unknown setting"),
     ({}, "needs ssd_dir, object_url or both"),
     ({"ssd_dir": "/tmp/x", "job_threads": 0}, "job_threads"),
+    ({"ssd_dir": "/tmp/x", "locality": "NEARBY"}, "locality: must be LOCAL or REMOTE"),
 ])
 def test_bad_settings_fail_at_start_naming_the_field(settings: dict, problem: str) -> None:
     with pytest.raises(ConfigError, match=problem):
         Engine.start(settings)
+
+
+def test_locality_setting_overrides_the_derived_one(tmp_path: Path) -> None:
+    eng = Engine.start(ssd(tmp_path, locality="remote"))  # an ssd_dir on shared storage
+    try:
+        assert eng.tier.locality is Locality.REMOTE
+        eng.store(keys(1))
+        eng.settle()
+        assert eng.tier.store.drain(30)
+        (ev,) = eng.tier.take_events()
+        assert (ev.medium, ev.locality) == (Medium.STORAGE, Locality.REMOTE)
+    finally:
+        eng.stop()
 
 
 def test_host_tier_default_follows_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,8 +32,11 @@ class TierOptions:
     store_wait_s: float = 2.0
     #: emit KV events for this tier (effective only when vLLM's KV cache events are on)
     enable_kv_events: bool = True
-    #: keys most recently stored or looked up whose residency can be announced (LRU)
+    #: keys most recently stored whose residency can be announced (LRU)
     tracked_keys: int = 1 << 18
+    #: "LOCAL" or "REMOTE": overrides the derived locality (SSD: LOCAL, S3 alone: REMOTE), e.g. for an
+    #: ssd_dir on shared storage; vLLM also reads it for its back-pressure defaults
+    locality: str | None = None
 
     def __post_init__(self) -> None:
         if self.job_threads < 1:
@@ -42,6 +45,8 @@ class TierOptions:
             raise ConfigError("store_wait_s: must be >= 0")
         if self.tracked_keys < 1:
             raise ConfigError("tracked_keys: must be at least 1")
+        if self.locality is not None and self.locality.upper() not in ("LOCAL", "REMOTE"):
+            raise ConfigError(f"locality: must be LOCAL or REMOTE, got {self.locality!r}")
 
 
 _OPTION_NAMES = frozenset(f.name for f in fields(TierOptions))

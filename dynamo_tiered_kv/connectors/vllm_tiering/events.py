@@ -36,9 +36,11 @@ VLLM_MEDIUM: dict[str, tuple[Medium, Locality, str]] = {
 class TierEvents:
     """The store's ``ResidencyListener`` for this tier (thread-safe: the store's loop calls it)."""
 
-    def __init__(self, tier_type: str, max_keys: int) -> None:
+    def __init__(self, tier_type: str, max_keys: int, ssd_locality: Locality = Locality.LOCAL) -> None:
         self.tier_type = tier_type
         self.max_keys = max_keys
+        #: per medium; ``ssd_locality``: REMOTE for an ssd_dir on shared storage (the ``locality`` option)
+        self.where = {**VLLM_MEDIUM, DISK: (Medium.STORAGE, ssd_locality, "ssd")}
         self._lock = threading.Lock()
         self._known: OrderedDict[BlockKey, OffloadKey] = OrderedDict()
         self._events: list[OffloadingEvent] = []
@@ -58,7 +60,7 @@ class TierEvents:
         self._add(medium, keys, removed=True)
 
     def _add(self, medium: str, keys: Sequence[BlockKey], *, removed: bool) -> None:
-        where = VLLM_MEDIUM.get(medium)
+        where = self.where.get(medium)
         if where is None:
             return
         with self._lock:

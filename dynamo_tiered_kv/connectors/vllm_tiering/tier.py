@@ -106,12 +106,13 @@ class DynamoTieredKVTier(SecondaryTierManager):
             self.namespace = namespace_for(None, self.block_size_bytes, model_id=self.config.model_id,
                                            tenant_salt=salt)
             rank = 0
-        self.locality = Locality.LOCAL if self.config.ssd_dir is not None else Locality.REMOTE
+        self.locality = Locality(self.options.locality.upper()) if self.options.locality else \
+            Locality.LOCAL if self.config.ssd_dir is not None else Locality.REMOTE
         if self.config.ssd_dir is None:  # hits come from the shared object store
             self.cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED  # type: ignore[misc]
         events_on = bool(self.options.enable_kv_events and offloading_spec is not None
                          and offloading_spec.kv_events_config.enable_kv_cache_events)
-        self._events = TierEvents(tier_type, self.options.tracked_keys) if events_on else None
+        self._events = TierEvents(tier_type, self.options.tracked_keys, self.locality) if events_on else None
         self._lock = threading.Lock()  # guards _pending and _failed (scheduler thread, jobs, store loop)
         self._pending: dict[BlockKey, float] = {}  # accepted for writing, not yet in a tier: monotonic deadline
         self._failed: OrderedDict[BlockKey, None] = OrderedDict()
@@ -215,9 +216,11 @@ class DynamoTieredKVTier(SecondaryTierManager):
             with self._lock:
                 for k in keys:
                     self._pending[k] = t0 + PENDING_RETRY_S
-            # one slab's worth is accepted or dropped whole; dropped for want of a free slab or
-            # queue room, it is retried while the primary keeps the chunks pinned for us
-            while not self.store.submit_offload(self.layout, part, keys, [ROOT_KEY] * len(keys)):
+            # one slab's worth is accepted or dropped whole; short of a free slab or queue room it
+            # waits (the primary keeps the chunks pinned for us) and is offered once there is room,
+            # so a wait does not count as another sighting for admission
+            while not (self._has_room() and self.store.submit_offload(self.layout, part, keys,
+                                                                      [ROOT_KEY] * len(keys))):
                 if self.store.closed or time.monotonic() >= give_up:
                     with self._lock:
                         for k in bks[i:]:
@@ -228,6 +231,10 @@ class DynamoTieredKVTier(SecondaryTierManager):
             accepted += len(part)
         return JobResult(job_id, True, transfer_time=time.monotonic() - t0,
                          transfer_bytes=accepted * self.block_size_bytes)
+
+    def _has_room(self) -> bool:
+        store = self.store
+        return store.staging.free_count > 0 and store.pending_offloads < store.max_pending_offloads
 
     def _load(self, job_id: int, ids: list[int], keys: list[OffloadKey], deadline: float) -> JobResult:
         t0 = time.monotonic()
