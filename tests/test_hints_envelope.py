@@ -19,7 +19,7 @@ from dynamo_tiered_kv.hints import (
     RetainDirective,
     read_hints,
 )
-from dynamo_tiered_kv.hints.envelope import MAX_ENVELOPE_ACTIONS
+from dynamo_tiered_kv.hints.envelope import MAX_ENVELOPE_ACTIONS, MAX_ENVELOPE_JSON_BYTES
 from dynamo_tiered_kv.hints.prefetch import MAX_FETCH_HASHES, MAX_SCOPE_CHARS
 
 
@@ -109,7 +109,8 @@ class _BadMapping(dict):
 
 
 MALFORMED = [
-    42, [], "not json", "[1, 2]", b"\xff\xfe", "{" * 100_000, "1" * 5_000_000,
+    42, [], "not json", "[1, 2]", b"\xff\xfe", "{" * 100_000,
+    '{"protocol_version": "0.1", "message_id": "' + "x" * MAX_ENVELOPE_JSON_BYTES + '", "actions": []}',
     {}, {"actions": []}, {"protocol_version": 1, "message_id": "m", "actions": []},
     {"protocol_version": "0.1", "message_id": None, "actions": []},
     {"protocol_version": "0.1", "message_id": "m", "actions": "bad"},

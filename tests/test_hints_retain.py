@@ -114,7 +114,7 @@ def test_invalid_payload_rejects_the_action(payload, reason):
     assert stats.rejections(RETAIN_ACTION, reason) == 1
 
 
-@pytest.mark.parametrize("version", ["2.0", "0.1", "", "v1", "x.1", "².0", " 1.0"])
+@pytest.mark.parametrize("version", ["2.0", "0.1", "", "v1", "x.1", "².0", " 1.0", "1a.0", "1 .0", "-1.0"])
 def test_other_major_versions_are_rejected(version):
     claim, stats = _collect(_retain([GOOD], version=version))
     assert claim is None and stats.rejections(RETAIN_ACTION, "version") == 1

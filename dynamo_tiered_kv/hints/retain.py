@@ -101,8 +101,8 @@ def _duration(raw: object) -> float | None:
         seconds = float(raw)
     except OverflowError:  # an integer too large for a float
         raise HintRejected("duration", "duration out of range") from None
-    # NaN or infinity would make an expiry that never compares as passed
-    if not (math.isfinite(seconds) and 0 <= seconds <= MAX_DURATION_S):
+    # NaN fails both comparisons and infinity the upper bound: no expiry that never passes
+    if not 0 <= seconds <= MAX_DURATION_S:
         raise HintRejected("duration", f"duration must be in [0, {MAX_DURATION_S:g}] seconds")
     return seconds
 
@@ -152,7 +152,8 @@ def collect_retain(actions: Iterable[HintAction], stats: HintStats) -> RetainCla
     Invalid actions are rejected one by one (counted by reason, logged rate-limited); the
     first accepted action fixes the scope.
     """
-    found: RetainClaim | None = None
+    scope: str | None = None
+    found = False
     directives: list[RetainDirective] = []
     seen = 0
     for action in actions:
@@ -164,7 +165,7 @@ def collect_retain(actions: Iterable[HintAction], stats: HintStats) -> RetainCla
             continue
         try:
             claim, dropped = parse_retain(action, MAX_DIRECTIVES - len(directives))
-            if found is not None and claim.scope != found.scope:
+            if found and claim.scope != scope:
                 raise HintRejected("scope_conflict", "kv.retain actions of one envelope must share a scope")
         except HintRejected as e:
             stats.rejected(RETAIN_ACTION, e.code)
@@ -174,8 +175,7 @@ def collect_retain(actions: Iterable[HintAction], stats: HintStats) -> RetainCla
         if dropped:
             stats.truncated_directives(dropped)
         stats.action(RETAIN_ACTION, "accepted")
-        found = found or claim
+        if not found:
+            scope, found = claim.scope, True
         directives.extend(claim.directives)
-    if found is None:
-        return None
-    return RetainClaim(found.scope, tuple(directives))
+    return RetainClaim(scope, tuple(directives)) if found else None
