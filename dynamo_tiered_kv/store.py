@@ -441,10 +441,13 @@ class TieredStore(ChunkReads):
             return
         self.metrics.write_seconds.labels(tier.name).observe(time.perf_counter() - t0)
         self.metrics.written_bytes.labels(tier.name).inc(sum(v.nbytes for _, v in items))
+        # not those it evicted since: a batch larger than the tier evicts its own first records, and
+        # their eviction was reported before this point (tracking them would outlive the tier's copy)
+        kept = [k for k, _ in items if tier.contains(k)]
         now = time.monotonic()
-        for key, _ in items:
+        for key in kept:
             self._ttl[ti].touch(key, now)
-        self._tell(ti, [k for k, _ in items if tier.contains(k)], stored=True)  # not those it evicted since
+        self._tell(ti, kept, stored=True)
 
     def set_residency(self, listener: ResidencyListener | None) -> None:
         """Report to ``listener`` which blocks each tier stores and drops from now on (None: stop)."""

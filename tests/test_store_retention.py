@@ -49,6 +49,17 @@ def test_retention_of_evicted_ssd_blocks_is_dropped(pool: StagingPool, tmp_path:
         assert store.bookkeeping()["retention_ssd"] <= held
 
 
+def test_batch_larger_than_the_tier_tracks_only_what_it_kept(pool: StagingPool) -> None:
+    big = StagingPool(32 * REC, 2, pin=False)
+    host = HostTier(16 * REC, chunk_bytes=REC, pin=False)
+    try:
+        with TieredStore([host], NS, big, ttl_s=[3600.0], sweep_interval_s=3600) as store:
+            _write_rounds(store, 4, per_round=24)  # each batch evicts its own first 8 records
+            assert store.bookkeeping()["retention_host"] <= host.usage().num_blocks == 16
+    finally:
+        big.close()
+
+
 def test_unreported_drops_are_pruned_to_the_tier_block_count(pool: StagingPool,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A tier that drops blocks without telling (no hook: another node's GC, say) still bounds it."""
