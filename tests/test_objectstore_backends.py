@@ -217,6 +217,33 @@ async def test_retries_share_the_callers_deadline() -> None:
         await call_with_retries(hangs, policy=pol, breaker=CircuitBreaker(), is_transient=lambda e: True, what="t")
 
 
+async def test_a_probe_cancelled_in_its_backoff_reopens_the_breaker() -> None:
+    """A half-open probe cancelled while it waits to retry (its read's deadline, a sibling run
+    failing) counts as failed; it never leaves the breaker waiting on it for good."""
+    now = [0.0]
+    br = CircuitBreaker(failure_threshold=1, cooldown_s=10, clock=lambda: now[0])
+    br.on_failure(False)  # open
+    now[0] = 11.0
+    assert br.state == "half-open"
+    tried = asyncio.Event()
+
+    async def flaky() -> None:
+        tried.set()
+        raise ConnectionResetError("reset")
+
+    slow = RetryPolicy(max_attempts=2, base_delay_s=3600, max_delay_s=3600)
+    task = asyncio.ensure_future(call_with_retries(flaky, policy=slow, breaker=br, is_transient=lambda e: True,
+                                                   what="t"))
+    await asyncio.wait_for(tried.wait(), 10)
+    await asyncio.sleep(0)  # into the backoff (a delay of up to an hour)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert br.state == "open"  # the probe failed: another cooldown ...
+    now[0] = 22.0
+    assert br.state == "half-open"  # ... after which the next call probes again
+
+
 def test_backoff_is_bounded_jitter() -> None:
     pol = RetryPolicy(base_delay_s=0.1, max_delay_s=0.5)
     samples = [pol.backoff(n) for n in range(8) for _ in range(50)]

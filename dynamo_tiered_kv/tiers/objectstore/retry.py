@@ -200,7 +200,12 @@ async def call_with_retries(attempt: Callable[[], Awaitable[T]], *, policy: Retr
             if on_retry is not None:
                 on_retry()
             log.debug("%s: transient %s, retry %d", what, type(last).__name__, n + 1)
-            await asyncio.sleep(delay)
+            try:
+                await asyncio.sleep(delay)
+            except asyncio.CancelledError:
+                if probe:  # else the breaker would wait for this probe's outcome for ever
+                    breaker.on_failure(True)
+                raise
     breaker.on_failure(probe)
     why = f"{type(last).__name__}: {last}" if last is not None else "no time left"
     raise TierUnavailable(f"{what} failed after {tries} attempts"
