@@ -261,3 +261,11 @@ def test_a_rejected_action_leaves_the_others():
         RETAIN)}, stats=stats)
     assert hints.prefetch == (PrefetchHint("s"),) and hints.retain is not None
     assert stats.actions(PREFETCH_ACTION, "rejected") == 1
+
+
+def test_a_rejection_logs_one_bounded_line(caplog):
+    directive = {"priority": 5, **{f"field-{i}-" + "x" * 100: 1 for i in range(1000)}}
+    env = _env(_act(RETAIN_ACTION, {"directives": [directive]}, ident="i" * 10_000))
+    with caplog.at_level(logging.WARNING, logger="dynamo_tiered_kv.hints.stats"):
+        read_hints(kv_transfer_params={"kv_hints": env}, stats=HintStats())
+    assert len(caplog.records) == 1 and len(caplog.records[0].getMessage()) < 400

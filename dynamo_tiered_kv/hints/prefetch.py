@@ -117,7 +117,7 @@ def collect_prefetch(actions: Iterable[HintAction], stats: HintStats) -> tuple[l
                 fetch.append(parse_fetch(action))
         except HintRejected as e:
             stats.rejected(kind, e.code)
-            stats.log.warning(f"{kind}:{e.code}", "%s action %r rejected: %s", kind, action.action_id[:64], e)
+            stats.log.warning(f"{kind}:{e.code}", "%s action %r rejected: %.200s", kind, action.action_id[:64], e)
             continue
         stats.action(kind, "accepted")
     return prefetch, fetch

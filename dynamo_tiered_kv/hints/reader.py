@@ -53,7 +53,7 @@ def read_hints(request: object = None, *, kv_transfer_params: object = None,
         envelope = coerce_envelope(raw)
     except MalformedEnvelope as e:
         stats.envelope("malformed")
-        stats.log.warning(f"envelope:{e.code}", "malformed KV hints envelope ignored: %s", e)
+        stats.log.warning(f"envelope:{e.code}", "malformed KV hints envelope ignored: %.200s", e)
         return None
     except Exception as e:  # a request object whose attributes raise: no hints, never a failed request
         stats.envelope("malformed")

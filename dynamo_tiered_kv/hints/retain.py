@@ -169,7 +169,7 @@ def collect_retain(actions: Iterable[HintAction], stats: HintStats) -> RetainCla
                 raise HintRejected("scope_conflict", "kv.retain actions of one envelope must share a scope")
         except HintRejected as e:
             stats.rejected(RETAIN_ACTION, e.code)
-            stats.log.warning(f"{RETAIN_ACTION}:{e.code}", "kv.retain action %r rejected: %s",
+            stats.log.warning(f"{RETAIN_ACTION}:{e.code}", "kv.retain action %r rejected: %.200s",
                               action.action_id[:64], e)
             continue
         if dropped:
