@@ -64,7 +64,7 @@ def encode_blocks_on_device(
 ) -> int:
     """Encode engine blocks back to back into ``out`` (device memory). Returns the bytes written.
 
-    Returns once the records are complete in ``out`` (the device stream is synchronized), so the
+    Returns once the records are complete in ``out`` (an event on this thread's stream), so the
     engine may reuse its blocks and a GDS write may start.
     """
     from kernels import gather_records
@@ -130,6 +130,6 @@ def decode_blocks_on_device(
         ids = torch.as_tensor([block_ids[i] for i in good], dtype=torch.int64)
         scatter_records(src.reshape(-1), _engine_views(layout), ids, record_bytes=rb, header_bytes=hb,
                         layer_bytes=lb)
-        layout.synchronize()
+        synchronize(records.device)  # this stream's scatter only, not the whole device
     return errors
 

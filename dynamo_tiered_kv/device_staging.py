@@ -20,9 +20,13 @@ from .staging import Slab, StagingPool
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for the device's current stream (no-op on CPU)."""
+    """Wait for the work queued so far on this thread's current stream of ``device`` (no-op on CPU):
+    an event, not a device-wide synchronize, so other streams (the engine's forward) are not
+    waited for; a blocking event sleeps instead of spinning a core."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        ev = torch.cuda.Event(blocking=True)
+        ev.record(torch.cuda.current_stream(device))
+        ev.synchronize()
 
 
 class DeviceSlab:

@@ -104,15 +104,16 @@ class DeviceIO:
             offset += n
         ag = self._ag
         try:
-            with self._lock:
+            with self._lock:  # the lock guards the agent's calls, never the wait between them
                 if self._mem_type is None or any(s.slab.address not in self._slabs for s in spans):
                     raise ValueError("DeviceIO transfer from a slab that was never registered")
                 self._file(fd)
                 h = ag.initialize_xfer(op, ag.get_xfer_descs(mem, self._mem_type), ag.get_xfer_descs(files, "FILE"),
                                        self._name)
-                try:
-                    _wait(ag, h)
-                finally:
+            try:
+                _wait(ag, h, self._lock)
+            finally:
+                with self._lock:
                     ag.release_xfer_handle(h)
         except (OSError, ValueError):
             raise
@@ -184,18 +185,26 @@ class DeviceIO:
             self._slabs.clear()
 
 
-def _merge(spans: Sequence[DeviceSpan]) -> list[tuple[int, int, int]]:
-    """(address, length, device id) runs, joining spans adjacent in one slab: a run is one descriptor."""
-    out: list[tuple[int, int, int]] = []
+#: descriptor size cap: GDS_MT spreads descriptors over its threads, so a slab-sized run would be
+#: one thread's serial I/O; a few MiB keeps every thread and NVMe queue busy (a multiple of 4 KiB)
+MAX_DESC_BYTES = 4 << 20
+
+
+def _merge(spans: Sequence[DeviceSpan], max_bytes: int = MAX_DESC_BYTES) -> list[tuple[int, int, int]]:
+    """(address, length, device id) descriptors: spans adjacent in one slab are joined, and runs
+    are cut at ``max_bytes``."""
+    runs: list[list[int]] = []
     prev: DeviceSpan | None = None
     for s in spans:
         if s.offset < 0 or s.nbytes <= 0 or s.offset + s.nbytes > s.slab.nbytes:
             raise ValueError(f"span [{s.offset}, {s.offset + s.nbytes}) outside its {s.slab.nbytes}-byte slab")
         if prev is not None and prev.slab is s.slab and prev.offset + prev.nbytes == s.offset:
-            a, n, d = out[-1]
-            out[-1] = (a, n + s.nbytes, d)
+            runs[-1][1] += s.nbytes
         else:
-            out.append((s.address, s.nbytes, s.slab.device_id))
+            runs.append([s.address, s.nbytes, s.slab.device_id])
         prev = s
+    out: list[tuple[int, int, int]] = []
+    for addr, n, dev in runs:
+        for off in range(0, n, max_bytes):
+            out.append((addr + off, min(max_bytes, n - off), dev))
     return out
-
