@@ -223,7 +223,7 @@ class EngineLayout:
         if tuple(t.shape) != expect:
             raise LayoutMismatch(f"{kind.name} tensor shape {tuple(t.shape)} != expected {expect}")
         if not t.is_contiguous():
-            raise LayoutMismatch(f"{kind.name} KV tensor must be contiguous")
+            return self._strided_view(t)
         b = _u8(t)
         isz = s.dtype.itemsize
         if kind is EngineLayoutKind.FLASH_ATTN:
@@ -231,6 +231,23 @@ class EngineLayout:
         if kind is EngineLayoutKind.KVBM_FC:
             return b.reshape(t.shape[0], s.num_layers, s.layer_bytes)  # [block][layer][bytes]
         return b.reshape(t.shape[0], 1, s.layer_bytes)  # block-contiguous per layer
+
+    def _strided_view(self, t: torch.Tensor) -> torch.Tensor:
+        """A non-contiguous KV tensor (vLLM's HND cache layout: the logical shape above over memory
+        ordered [block][heads][tokens][dim]) as [block][plane][tokens][heads][bytes] views in canonical
+        order: records hold the same bytes as from the NHD layout, and the codec's strided paths
+        copy them. Only the head dimension must be contiguous."""
+        kind = self.kind
+        if kind not in (EngineLayoutKind.FLASH_ATTN, EngineLayoutKind.FLASHINFER, EngineLayoutKind.MLA):
+            raise LayoutMismatch(f"{kind.name} KV tensor must be contiguous")
+        if t.stride(-1) != 1:
+            raise LayoutMismatch(f"{kind.name} KV tensor's head dimension is strided {tuple(t.stride())}")
+        b = _u8(t)
+        if kind is EngineLayoutKind.FLASH_ATTN:
+            return b.transpose(0, 1)  # [block][K/V][tokens][heads][bytes]
+        if kind is EngineLayoutKind.FLASHINFER:
+            return b
+        return b.unsqueeze(1)  # MLA: [block][1][tokens][bytes]
 
     def fast_table(self):  # -> fast.LayerTable | None
         """Geometry for the compiled CPU helpers, or None (CUDA, not built, or odd strides)."""
