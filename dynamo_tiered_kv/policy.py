@@ -66,7 +66,9 @@ class Retention:
 
     Threads: ``touch`` and ``expired`` run on the store's loop thread, ``forget`` also on a tier's
     writer thread (its eviction hook); every method takes the one lock. ``holds`` is called under
-    it and must not call back into this object.
+    it and must not call back into this object. ``keep`` (set by the store) names blocks a retention
+    class protects: their TTL is renewed instead of expiring (``retention.py``: a hint's duration
+    outlives the tier's default TTL).
     """
 
     #: pruning waits until this many stale entries may have piled up (amortises the scan)
@@ -80,6 +82,7 @@ class Retention:
         self._held_blocks = held_blocks
         self._limit = self.PRUNE_SLACK  # size at which the tier's block count is next asked for
         self._lock = threading.Lock()
+        self.keep: Callable[[BlockKey], bool] | None = None
 
     def __len__(self) -> int:
         with self._lock:
@@ -114,11 +117,14 @@ class Retention:
         out: list[BlockKey] = []
         if self.ttl_s is None:
             return out
+        kept: list[BlockKey] = []
         with self._lock:
             while self._written:
                 key, t = next(iter(self._written.items()))
                 if now - t < self.ttl_s:
                     break
                 self._written.popitem(last=False)
-                out.append(key)
+                (kept if self.keep is not None and self.keep(key) else out).append(key)
+            for key in kept:  # protected: checked again one TTL from now
+                self._written[key] = now
         return out

@@ -67,6 +67,7 @@ from .policy import Admission, AdmissionPolicy, Retention
 from .residency import ResidencyListener, install, medium_of, notify
 from .staging import Slab, StagingPool
 from .store_reads import ChunkReads, LoadStages, slot_view
+from .store_retention import RetentionOps
 from .tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def _check_block_ids(layout: EngineLayout, block_ids: Sequence[int]) -> None:
         raise ValueError(f"block ids must be in [0, {layout.num_blocks}), got {min(block_ids)}..{max(block_ids)}")
 
 
-class TieredStore(ChunkReads):
+class TieredStore(RetentionOps, ChunkReads):
     """Tiered KV block store with a synchronous, never-blocking engine facade.
 
     Args:
@@ -130,6 +131,8 @@ class TieredStore(ChunkReads):
         load_depth: chunks of one load read ahead at most (each takes a staging slab while free).
         device_staging: device slabs for GPU-direct transfers to tiers that have ``device_io``.
         on_residency: told which blocks each tier stores and drops (``residency``; KV events).
+        retain_max_share: share of each tier retention classes may protect (``store_retention``).
+        clock: the clock retention expiries are measured on (injected by tests and benchmarks).
     """
 
     def __init__(self, tiers: Sequence[Tier], namespace: Namespace, staging: StagingPool, *,
@@ -140,7 +143,8 @@ class TieredStore(ChunkReads):
                  close_flush_timeout_s: float = 30.0, load_chunk_bytes: int = 8 << 20,
                  device_staging: DeviceStagingPool | None = None, exit_timeout_s: float = 10.0,
                  load_first_chunk_bytes: int = 1 << 20, load_depth: int = 4,
-                 on_residency: ResidencyListener | None = None) -> None:
+                 on_residency: ResidencyListener | None = None, retain_max_share: float = 0.5,
+                 clock: Callable[[], float] = time.time) -> None:
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")
         self.tiers = list(tiers)
@@ -154,6 +158,7 @@ class TieredStore(ChunkReads):
         ttls = list(ttl_s or [])
         self._ttl = [Retention(ttls[i] if i < len(ttls) else None, t.contains, _block_count(t))
                      for i, t in enumerate(self.tiers)]
+        self._init_retention(retain_max_share, clock)
         self.metrics = StoreMetrics(self.tiers)
         self.metrics_port = self.metrics.serve(metrics_port) if metrics_port is not None else None
         self._ns_digest = namespace.digest
@@ -292,6 +297,7 @@ class TieredStore(ChunkReads):
         if not todo:
             return True
         rb = record_bytes(layout.shape)
+        self._record_nbytes = rb  # for blocks retained before they are written
         per_slab = self._slab_bytes(layout) // rb
         if per_slab == 0:
             self.metrics.offload_dropped.labels("too_large").inc()

@@ -2,7 +2,10 @@
 
 The arena is cut into fixed chunks once; a record takes ``ceil(len / chunk)`` chunks from a free
 list, so writes never allocate and the byte capacity is exact. Eviction is least recently used
-(a read or write makes a key most recent). Copies are numpy memcpys; the tier holds a lock only
+(a read or write makes a key most recent), within retention classes (``retention``): expired
+blocks go first, then unprotected ones in LRU order, protected ones only when nothing else is
+left (lowest priority first). A protected block skipped by eviction moves to the recent end, so
+each is stepped over once, not on every write. Copies are numpy memcpys; the tier holds a lock only
 around index updates, and copies are done under it too since they are short and memory-bound.
 
 ``pin_records`` lets the store verify and scatter records where they lie in the arena (no copy
@@ -32,6 +35,7 @@ from .base import ByteRange, Tier, TierCapabilities, TierUsage, check_range
 
 if TYPE_CHECKING:
     from ..residency import TierHook
+    from ..retention import RetentionClasses
 
 DEFAULT_CHUNK_BYTES = 256 * 1024
 
@@ -41,6 +45,8 @@ class HostTier(Tier):
     capabilities = TierCapabilities(medium="host", durable=False, shared=False)
     #: set by the store (``residency.install``): told which keys LRU eviction dropped
     residency_hook: TierHook | None = None
+    #: set by the store: per-block (priority, expiry) eviction honours; None: plain LRU
+    retention: RetentionClasses | None = None
 
     def __init__(
         self,
@@ -177,12 +183,18 @@ class HostTier(Tier):
 
     def _store_locked(self, key: BlockKey, src: np.ndarray, need: int, evicted: list[BlockKey]) -> None:
         self._drop(key)
+        if len(self._free) < need and self.retention is not None:
+            for old, _ in self.retention.expired():  # expired blocks go before any other
+                if self._drop(old):
+                    evicted.append(old)
         while len(self._free) < need:
             if not self._index:  # the rest is pinned by loads in progress
                 raise TierFull(f"host tier: {src.nbytes} bytes do not fit beside pinned records")
-            old, _ = next(iter(self._index.items()))
+            old = self._victim_locked()
             self._drop(old)
             evicted.append(old)
+            if self.retention is not None:
+                self.retention.forget([old])
         chunks = [self._free.pop() for _ in range(need)]
         c = self._chunk
         for i, ch in enumerate(chunks):
@@ -190,6 +202,25 @@ class HostTier(Tier):
             self._chunks[ch, : part.nbytes] = part
         self._index[key] = (src.nbytes, chunks)
         self._used += src.nbytes
+
+    def _victim_locked(self) -> BlockKey:
+        """The least recently used unprotected key; if every key is protected, the lowest class."""
+        cls = self.retention
+        if cls is None or not len(cls):
+            return next(iter(self._index))
+        now = cls.clock()
+        skipped: list[BlockKey] = []
+        victim: BlockKey | None = None
+        for k in self._index:
+            if not cls.protected(k, now):
+                victim = k
+                break
+            skipped.append(k)
+        if victim is None:  # only protected blocks (the share bound keeps this rare): lowest yields
+            return min(self._index, key=lambda k: cls.rank(k, now))
+        for k in skipped:
+            self._index.move_to_end(k)
+        return victim
 
     def _drop(self, key: BlockKey) -> bool:
         e = self._index.pop(key, None)

@@ -12,6 +12,7 @@ resolved on the loop.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ import numpy as np
 from ...keys import KEY_BYTES
 from .index import DEAD, U32_MAX, CompactObjectIndex, ObjectTable, split_keys
 from .layout import manifest_name_ms, parse_data_name, parse_manifest_name
-from .manifest import ManifestError, checked_body
+from .manifest import MAX_RETAIN_S, ManifestError, checked_body, parse_retain
 from .snapshot import OBJ_DTYPE, Snapshot
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,14 @@ class Parsed:
     keys: bytes  # n x 16
     off: np.ndarray  # int64
     len: np.ndarray  # int64
+    retain: tuple[tuple[bytes, int, float | None], ...] = ()  # (key, priority, expiry): optional field
+
+    def retained_until(self) -> float | None:
+        """How long retained entries extend this manifest's life past its TTL (None: none retained)."""
+        if not self.retain:
+            return None
+        cap = self.created_at + MAX_RETAIN_S
+        return max(cap if x is None else min(cap, x) for _, _, x in self.retain)
 
 
 def parse_manifest(raw: bytes) -> Parsed:
@@ -50,7 +59,9 @@ def parse_manifest(raw: bytes) -> Parsed:
         if (len(keys) != KEY_BYTES * len(ents) or any(len(e[0]) != 2 * KEY_BYTES for e in ents)
                 or (len(ents) and (off.min() < 0 or ln.min() <= 0 or int((off + ln).max()) > size))):
             raise ManifestError(f"an entry does not fit a {size}-byte object")
-        return Parsed(str(body["data"]), size, float(body["created_at"]), keys, off, ln)
+        retain = tuple((keys[i * KEY_BYTES:(i + 1) * KEY_BYTES], p, x)
+                       for i, p, x in parse_retain(body.get("retain")) if 0 <= i < len(ents) and 0 < p <= 100)
+        return Parsed(str(body["data"]), size, float(body["created_at"]), keys, off, ln, retain)
     except ManifestError:
         raise
     except (ValueError, KeyError, TypeError, IndexError, OverflowError) as e:
@@ -72,6 +83,8 @@ class Catalog:
         # columns of ``add_parsed(defer=True)`` batches, merged once by ``finish()``: one sort of
         # everything instead of an O(n) insert per batch (time, and heap fragments that RSS keeps)
         self._pending: list[tuple[np.ndarray, ...]] = []
+        # retention classes read from manifests (optional field), for the tier to take over
+        self.retained: dict[bytes, tuple[int, float | None]] = {}
 
     def __len__(self) -> int:
         return len(self.index)
@@ -123,10 +136,15 @@ class Catalog:
         built, which nobody reads meanwhile).
         """
         cols: list[tuple[np.ndarray, ...]] = []
+        now = time.time()
         for name, p in batch:
             if p is None:
                 continue
-            expired = cutoff is not None and p.created_at < cutoff
+            kept = p.retained_until()  # retained entries extend the TTL (up to MAX_RETAIN_S)
+            expired = cutoff is not None and p.created_at < cutoff and (kept is None or kept <= now)
+            if not expired:
+                for key, prio, x in p.retain:
+                    self.retained[key] = (prio, x)
             i = self._register(name, p.data, p.created_at, root=root, gone=expired)
             if expired or not len(p.off):
                 continue
@@ -226,10 +244,29 @@ class Catalog:
         self.excl_key.add(key)
         self.remove(key)
 
-    def oldest_until(self, bytes_to_free: int) -> np.ndarray:
+    def take_retained(self) -> dict[bytes, tuple[int, float | None]]:
+        out, self.retained = self.retained, {}
+        return out
+
+    def object_ranks(self, ranks: Iterable[tuple[bytes, int]]) -> dict[int, int]:
+        """Object id -> highest retention rank of its live blocks, from ``(key, rank)`` pairs."""
+        out: dict[int, int] = {}
+        for key, r in ranks:
+            loc = self.index.get(key)
+            if loc is not None:
+                out[loc[0]] = max(out.get(loc[0], -1), r)
+        return out
+
+    def oldest_until(self, bytes_to_free: int, ranks: dict[int, int] | None = None) -> np.ndarray:
+        """Objects to drop to free ``bytes_to_free``: the oldest first, within retention ranks
+        (``object_ranks``: expired -1 first, ordinary 0, then protected by priority)."""
         v = self.objs.view
         cand = np.flatnonzero(((v["flags"] & ObjectTable.GONE) == 0) & (v["live"] > 0))
-        order = cand[np.argsort(v["created"][cand], kind="stable")]
+        if ranks:
+            rk = np.array([ranks.get(int(i), 0) for i in cand], dtype=np.int64)
+            order = cand[np.lexsort((v["created"][cand], rk))]
+        else:
+            order = cand[np.argsort(v["created"][cand], kind="stable")]
         freed = np.cumsum(v["live"][order])
         return order[:int(np.searchsorted(freed, bytes_to_free)) + 1]
 

@@ -3,7 +3,8 @@
 Rules (docs/OBJECTS.md):
 
 1. A manifest whose ``created_at`` is older than ``ttl_s`` has expired: it is deleted first, so
-   no node discovers its records any more.
+   no node discovers its records any more. Retained entries (its optional ``retain`` field)
+   extend its life to their expiry, at most ``MAX_RETAIN_S`` (30 days) after ``created_at``.
 2. A data object that no manifest references is *not* deleted at once: nodes that listed the
    manifest earlier may still be reading it. GC writes a tombstone ``tombstones/<digest>``; its
    mtime starts the grace period. A later run deletes the data (then the tombstone) once the
@@ -103,7 +104,8 @@ async def gc_objects(backend: ObjectBackend, *, ttl_s: float | None, grace_s: fl
                 log.warning("gc: deleting unreadable manifest %s: %s", info.name, e)
                 doomed.append(info.name)
             continue
-        if ttl_s is not None and m.created_at + ttl_s < now:
+        end = m.keep_until(ttl_s)  # retained entries extend the TTL (optional ``retain`` field)
+        if end is not None and end < now:
             rep.expired_manifests += 1
             doomed.append(info.name)
         else:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -37,6 +37,7 @@ MANIFEST_VERSION = 1
 DATA_DIR = "data/"
 MANIFEST_DIR = "manifests/"
 TOMBSTONE_DIR = "tombstones/"  # gc: "this data object lost its last manifest at <mtime>"
+MAX_RETAIN_S = 30 * 86400.0  # hint-given retention may keep a manifest this long past its creation
 _SAMPLE = 4096
 _ENTRY = struct.Struct("<16sQQ")
 
@@ -81,6 +82,8 @@ class Manifest:
         created_at: unix time the data was first published (retention counts from here).
         entries: records in the object, in offset order.
         origin: free-form producer tag (node and segment id) for operators.
+        retain: retention classes of some entries, ``(entry index, priority, expiry)`` (expiry in
+            unix seconds, None: none); optional, written only when non-empty (docs/FORMAT.md).
     """
 
     data: str
@@ -88,11 +91,20 @@ class Manifest:
     created_at: float
     entries: tuple[SegmentEntry, ...]
     origin: str = ""
+    retain: tuple[tuple[int, int, float | None], ...] = ()
 
     def __post_init__(self) -> None:
         for e in self.entries:
             if len(e.key) != KEY_BYTES or e.offset < 0 or e.length <= 0 or e.offset + e.length > self.data_size:
                 raise ManifestError(f"entry {e} does not fit a {self.data_size}-byte object")
+        for i, p, _ in self.retain:
+            if not (0 <= i < len(self.entries) and 0 < p <= 100):
+                raise ManifestError(f"retain entry ({i}, {p}) does not name a retained entry")
+
+    def keep_until(self, ttl_s: float | None) -> float | None:
+        """When this manifest expires: ``created_at + ttl_s``, extended by retained entries up to
+        ``created_at + MAX_RETAIN_S`` (None: never)."""
+        return keep_until(self.created_at, ttl_s, (e for _, _, e in self.retain))
 
     @property
     def name(self) -> str:
@@ -100,6 +112,8 @@ class Manifest:
         h.update(self.data.encode())
         for e in self.entries:
             h.update(_ENTRY.pack(e.key, e.offset, e.length))
+        if self.retain:  # a new retention is a new manifest (newest wins); none keeps old names
+            h.update(json.dumps(self.retain).encode())
         return manifest_name(self.created_at, h.hexdigest())  # time-ordered: listings resume with StartAfter
 
     @property
@@ -107,7 +121,10 @@ class Manifest:
         return sum(e.length for e in self.entries)
 
     def with_entries(self, entries: Sequence[SegmentEntry]) -> Manifest:
-        return Manifest(self.data, self.data_size, self.created_at, tuple(entries), self.origin)
+        keys = {e.key for e in entries}
+        idx = {e.key: i for i, e in enumerate(entries)}
+        retain = tuple((idx[self.entries[i].key], p, x) for i, p, x in self.retain if self.entries[i].key in keys)
+        return Manifest(self.data, self.data_size, self.created_at, tuple(entries), self.origin, retain)
 
     def to_bytes(self) -> bytes:
         body = {
@@ -118,6 +135,8 @@ class Manifest:
             "origin": self.origin,
             "entries": [[e.key.hex(), e.offset, e.length] for e in self.entries],
         }
+        if self.retain:
+            body["retain"] = [list(r) for r in self.retain]
         raw = json.dumps(body, separators=(",", ":"), sort_keys=True)
         return json.dumps({"body": body, "xxh3": xxhash.xxh3_64_hexdigest(raw.encode())},
                           separators=(",", ":"), sort_keys=True).encode()
@@ -127,12 +146,36 @@ class Manifest:
         try:
             body = checked_body(raw)
             entries = tuple(SegmentEntry(bytes.fromhex(k), int(o), int(n)) for k, o, n in body["entries"])
+            retain = tuple(parse_retain(body.get("retain")))
             return cls(str(body["data"]), int(body["data_size"]), float(body["created_at"]), entries,
-                       str(body.get("origin", "")))
+                       str(body.get("origin", "")), retain)
         except ManifestError:
             raise
         except (ValueError, KeyError, TypeError) as e:
             raise ManifestError(f"unreadable manifest: {type(e).__name__}: {e}") from None
+
+
+def parse_retain(raw: object) -> list[tuple[int, int, float | None]]:
+    """The optional ``retain`` field: ``[[entry index, priority, expiry | null], ...]``."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ValueError("retain must be a list")
+    out = []
+    for i, p, x in raw:
+        out.append((int(i), int(p), None if x is None else float(x)))
+    return out
+
+
+def keep_until(created_at: float, ttl_s: float | None, expiries: Iterable[float | None]) -> float | None:
+    """End of a manifest's life: its TTL, extended by its retained entries' expiries (a retained
+    entry without expiry counts as ``MAX_RETAIN_S``), never past ``created_at + MAX_RETAIN_S``."""
+    if ttl_s is None:
+        return None
+    end = created_at + ttl_s
+    for x in expiries:
+        end = max(end, min(created_at + MAX_RETAIN_S, created_at + MAX_RETAIN_S if x is None else x))
+    return end
 
 
 def checked_body(raw: bytes) -> dict:

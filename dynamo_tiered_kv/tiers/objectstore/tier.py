@@ -39,6 +39,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -49,6 +50,7 @@ from ..base import ByteRange, ReadRequest, Tier, TierCapabilities, TierUsage, ch
 from ..segments import SegmentEntry
 from .backend import ObjectBackend
 from .catalog import Catalog, Parsed, parse_manifest
+from .expiry import adopt_retention, object_ranks
 from .index import release_free_heap
 from .layout import SNAPSHOT_NAME, NamespaceView, manifest_after, ns_prefix
 from .manifest import MANIFEST_DIR, Manifest, ManifestError
@@ -59,6 +61,9 @@ from .snapshot import decode as decode_snapshot
 from .snapshot import encode as encode_snapshot
 from .snapshot import fetch as fetch_snapshot
 from .writes import ObjectWrites
+
+if TYPE_CHECKING:
+    from ...retention import RetentionClasses
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +155,8 @@ class ObjectTier(ObjectWrites, Tier):
 
     name = "object"
     capabilities = TierCapabilities(medium="object", durable=True, shared=True)
+    #: set by the store: per-block (priority, expiry); persisted in manifests (``expiry.py``)
+    retention: RetentionClasses | None = None
 
     def __init__(self, backend: ObjectBackend, *, capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
                  ttl_s: float | None = DEFAULT_TTL_S, verify_reads: bool = True, read_timeout_s: float = 30.0,
@@ -321,6 +328,7 @@ class ObjectTier(ObjectWrites, Tier):
                 for data, offset in locs:
                     cat.exclude(key, data, offset)
             self._cat, self._fresh = cat, []
+            adopt_retention(self.retention, cat)
             self._enforce_capacity_locked()
         await asyncio.to_thread(release_free_heap)  # the build's garbage, before it counts as ours
         self._ready.set()
@@ -385,6 +393,7 @@ class ObjectTier(ObjectWrites, Tier):
             else:
                 async with self._lock:
                     cat.add_parsed(got, cutoff=cutoff, root=root)
+                    adopt_retention(self.retention, cat)
                     self._enforce_capacity_locked()
 
     async def write_snapshot(self) -> bool:
@@ -526,7 +535,7 @@ class ObjectTier(ObjectWrites, Tier):
         cat = self._cat
         if cat.used <= self.capacity_bytes:
             return
-        victims = cat.oldest_until(cat.used - self.capacity_bytes)
+        victims = cat.oldest_until(cat.used - self.capacity_bytes, object_ranks(self.retention, cat))
         names = [cat.manifest_name(int(i)) for i in victims]
         cat.forget(victims)
         self.stats.evicted_objects += len(names)

@@ -22,9 +22,11 @@ from ...errors import TierFull, TierUnavailable
 from ...keys import BlockKey
 from ..segments import SealedSegment, SegmentEntry
 from .backend import FileSource, ObjectBackend
+from .expiry import retain_field
 from .manifest import Manifest, content_digest, data_name, tombstone_name
 
 if TYPE_CHECKING:
+    from ...retention import RetentionClasses
     from .catalog import Catalog
     from .tier import ObjectTierStats
 
@@ -49,6 +51,7 @@ class ObjectWrites:
     _ready: asyncio.Event
     _backend_open: asyncio.Event
     _since_snapshot: int
+    retention: RetentionClasses | None
     if TYPE_CHECKING:
         _enforce_capacity_locked: Callable[[], None]
         _spawn: Callable[[Coroutine[Any, Any, Any]], None]
@@ -130,7 +133,8 @@ class ObjectWrites:
         info = await self.backend.head(dname)
         now = time.time()
         created = info.mtime if info is not None and 0 <= now - info.mtime < REDO_WINDOW_S else now
-        m = Manifest(dname, size, created, entries, origin)
+        m = Manifest(dname, size, created, entries, origin,
+                     retain_field(self.retention, [e.key for e in entries]))  # optional: retained blocks
         await self.backend.put_object(m.name, m.to_bytes(), if_absent=True)  # only after the data
         # A gc that listed manifests before ours existed may have deleted the data meanwhile:
         # check now that the manifest is visible (later gc runs see it) and upload again if so.

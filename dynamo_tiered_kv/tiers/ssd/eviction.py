@@ -1,5 +1,9 @@
 """Capacity enforcement of the SSD tier: evict whole sealed segments, least recently used first.
 
+Retention classes (``retention``) rank segments before recency: a segment holding a protected
+block ranks at its highest protected priority, one holding an expired retained block (and no
+protected one) goes before every other, the rest are ordinary (rank 0).
+
 ``EvictionMixin`` is mixed into ``SSDTier`` only and uses its segment table, index, lock and I/O
 path; it is split out to keep ``tier.py`` short. It runs on the writer thread, the only one that
 adds or removes segments (docs/SSD.md section 8).
@@ -19,6 +23,7 @@ from .segment import flushed_marker, read_footer_at
 
 if TYPE_CHECKING:
     from ...residency import TierHook
+    from ...retention import RetentionClasses
 
 
 class EvictionMixin:
@@ -34,6 +39,8 @@ class EvictionMixin:
     _flusher_attached: bool
     #: set by the store (``residency.install``): told which keys segment eviction dropped
     residency_hook: TierHook | None = None
+    #: set by the store: per-block (priority, expiry) that ranks segments; None: plain LRU
+    retention: RetentionClasses | None = None
 
     def _close_fd(self, fd: int) -> None:
         raise NotImplementedError  # SSDTier's
@@ -58,7 +65,8 @@ class EvictionMixin:
                     raise TierFull(f"SSD tier needs {need} bytes, holds {self._used} of {self._capacity}, and "
                                    "evicting every evictable segment (sealed, not pinned, flushed or allowed "
                                    "unflushed) would not make room")
-                victim = min(victims, key=lambda s: s.last_used)
+                ranks = self._segment_ranks_locked()
+                victim = min(victims, key=lambda s: (ranks.get(s.seq, 0), s.last_used))
             footer = read_footer_at(victim.path, victim.size)
             with self._lock:
                 if not self._evictable(victim):  # the flusher pinned it meanwhile: pick again
@@ -71,6 +79,20 @@ class EvictionMixin:
             if self.residency_hook is not None:
                 self.residency_hook.evicted(gone)
 
+    def _segment_ranks_locked(self) -> dict[int, int]:
+        """Segment seq -> its retention rank (absent: 0). Costs one lookup per retained block."""
+        cls = self.retention
+        if cls is None or not len(cls):
+            return {}
+        now = cls.clock()
+        ranks: dict[int, int] = {}
+        for key, _ in cls.items():
+            loc = self._index.get(key)
+            if loc is not None:
+                p = cls.priority(key, now)
+                ranks[loc[0]] = max(ranks.get(loc[0], -1), p)
+        return ranks
+
     def _evict_locked(self, seg: SegmentState, keys: list[bytes] | None) -> list[bytes]:
         """Forget ``seg`` (its index entries, its bytes); its fd closes when the last reader leaves.
 
@@ -80,6 +102,8 @@ class EvictionMixin:
         if keys is None:  # cannot happen for a file we sealed; fall back to a full index sweep
             keys = list(self._index.keys())
         gone = [key for key in keys if self._index.pop(key, only_seq=seg.seq) is not None]
+        if self.retention is not None:
+            self.retention.forget(gone)
         del self._segments[seg.seq]
         seg.dead = True
         self._used -= seg.size
