@@ -25,8 +25,10 @@ from dynamo_tiered_kv.store import LoadResult
 IDS = [10, 11, 12, 13, 14, 15]  # engine blocks of a 22-token request: 3 restorable, 3 computed
 
 
-def _role(hit_blocks: int = 3, **cfg) -> SchedulerRole:
+def _role(hit_blocks: int = 3, sync_max: int = 0, **cfg) -> SchedulerRole:
+    """``sync_max``: the role's small-restore-on-an-idle-engine threshold (0 here: always async)."""
     r = SchedulerRole(TieredKVConfig.from_mapping(cfg), model_id="m", block_size=BS, lookup=FakeLookup(set()))
+    r.sync_restore_max_tokens = sync_max
     r._lookup = SimpleNamespace(lookup=lambda h: (min(hit_blocks, len(h)), ("ssd",) * hit_blocks),
                                 close=lambda: None)
     return r
@@ -99,6 +101,45 @@ def test_abort_while_loading_keeps_tracking_until_the_workers_report() -> None:
 def test_sync_mode_still_loads_in_step() -> None:
     r, req = _role(load_async=False), FakeRequest("r", list(range(22)))
     assert r.get_num_new_matched_tokens(req, 0) == (12, False)
+
+
+def _alloc(r: SchedulerRole, req: FakeRequest, n: int, ids=IDS) -> None:
+    r.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (ids,)), n)
+
+
+def test_small_restore_on_an_idle_engine_is_synchronous_in_the_step_that_schedules_it() -> None:
+    r, req = _role(sync_max=12), FakeRequest("r", list(range(22)))
+    assert r.get_num_new_matched_tokens(req, 0) == (12, False)  # 12 tokens, nothing else alive
+    _alloc(r, req, 12)
+    meta = r.build_connector_meta(sched_output(new=[("r", IDS, 12)], tokens={"r": 10}))
+    (spec,) = meta.loads
+    assert not spec.is_async and spec.block_ids == IDS[:3]
+
+
+def test_restore_above_the_threshold_or_with_other_requests_alive_stays_async() -> None:
+    r, req = _role(sync_max=8), FakeRequest("r", list(range(22)))
+    assert r.get_num_new_matched_tokens(req, 0) == (12, True)  # larger than the threshold
+    r = _role(sync_max=12)
+    other = FakeRequest("d", list(range(4)))  # one block, computed (the last token always is)
+    assert r.get_num_new_matched_tokens(other, 0) == (0, False)  # alive (running), nothing to load
+    req = FakeRequest("r", list(range(22)))
+    assert r.get_num_new_matched_tokens(req, 0) == (12, True)  # the engine is busy: async
+    r.request_finished(other, [])
+    assert r.get_num_new_matched_tokens(req, 0) == (12, False)  # alone again: sync
+    # an async restore in flight (its request finished meanwhile counts too) keeps the next one async
+    r2, a, b = _role(sync_max=12), FakeRequest("a", list(range(22))), FakeRequest("b", list(range(22)))
+    r2.sync_restore_max_tokens = 0
+    _admit(r2, a)
+    r2.request_finished(a, IDS)
+    r2.sync_restore_max_tokens = 12
+    assert r2.get_num_new_matched_tokens(b, 0) == (12, True)
+    r2.update_connector_output(_out(finished={"a"}))
+    assert r2.get_num_new_matched_tokens(b, 0) == (12, False)
+
+
+def test_load_async_off_is_always_synchronous_whatever_the_size() -> None:
+    r = _role(sync_max=4, load_async=False)
+    assert r.get_num_new_matched_tokens(FakeRequest("r", list(range(22))), 0) == (12, False)
 
 
 # --- worker ---------------------------------------------------------------------------------------
@@ -319,3 +360,25 @@ def test_cpu_restores_are_paced_by_the_engine_steps(share: float) -> None:
             assert pacer._free
     finally:
         w.shutdown()
+
+
+def test_restore_report_counts_the_steps_it_was_pending_and_sync_loads_report_their_wait() -> None:
+    store = _GatedStore()
+    w = _worker(store)
+    seen = []
+    note = w._note_restored
+    w._note_restored = lambda r: (seen.append(r), note(r))
+    w.start_load_kv(TieredKVMetadata(loads=[_spec("r", [1, 2])]))
+    assert w.get_finished(set()) == set() and w.get_finished(set()) == set()  # two steps pending
+    store.gate.set()
+    assert _finished(w) == {"r"}
+    (r,) = seen
+    assert not r.sync and r.steps >= 2 and r.engine_wait_s >= r.load_s >= 0
+    # a synchronous load (small restore on an idle engine) reports its wait in the step it ran
+    spec = LoadSpec("s", [3, 4], [b"\x03" * 16, b"\x04" * 16], is_async=False)
+    w.start_load_kv(TieredKVMetadata(loads=[spec]))
+    assert w.get_finished(set()) == set()  # never reported through finished_recving
+    r = seen[-1]
+    assert r.req_id == "s" and r.sync and r.steps == 0 and r.engine_wait_s == r.load_s > 0
+    assert w.served["s"] == ["ssd", "ssd"] and w.get_block_ids_with_load_errors() == set()
+    w.shutdown()

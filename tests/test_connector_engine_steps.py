@@ -36,7 +36,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin as Mixin  # noqa: E402
 
@@ -236,7 +236,32 @@ def test_failed_sync_load_is_paired_with_its_step_across_idle_steps(model_dir: P
     assert not [rec for rec in caplog.records if rec.name == OUTCOMES_LOG and rec.levelno >= logging.WARNING]
 
 
-def test_idle_steps_while_an_async_restore_runs_never_strand_outcomes(model_dir: Path, caplog) -> None:
+def test_small_restore_on_an_idle_engine_runs_in_the_step_that_schedules_it(model_dir: Path) -> None:
+    """load_async on, the engine idle, 4 blocks to restore: synchronous, so vLLM computes the rest
+    of the prompt in the same step (no WAITING_FOR_REMOTE_KVS, no step between restore and run)."""
+    with engine(model_dir, load_async=True) as e:
+        _write_prefix(e)
+        _idle(e, 2)
+        r = e.add("r", [*PREFIX, *range(900, 910)], max_tokens=4)
+        meta = e.step()
+        (load,) = meta.loads
+        assert not load.is_async and len(load.block_ids) == 4 and e.invalid[len(e.metas)] == set()
+        assert r.num_computed_tokens == len(r.prompt_token_ids)  # restored and computed in this step
+        served = e.worker.worker.served  # type: ignore[union-attr]
+        assert served["r"] == ["host"] * 4
+        # a second request arriving while r runs: its restore is asynchronous (r keeps decoding)
+        r2 = e.add("r2", [*PREFIX, *range(800, 810)], max_tokens=4)
+        meta = e.step()
+        (load,) = meta.loads
+        assert load.is_async and r2.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        e.run(lambda: r.is_finished() and r2.is_finished())
+
+
+def test_idle_steps_while_an_async_restore_runs_never_strand_outcomes(model_dir: Path, caplog,
+                                                                       monkeypatch) -> None:
+    from dynamo_tiered_kv.connectors.vllm import scheduler
+
+    monkeypatch.setattr(scheduler, "SYNC_RESTORE_MAX_TOKENS", 0)  # async even for this small one
     caplog.set_level(logging.INFO, logger="dynamo_tiered_kv")
     with engine(model_dir, load_async=True) as e:
         _write_prefix(e)

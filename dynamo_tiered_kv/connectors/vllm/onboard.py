@@ -47,6 +47,9 @@ class Restored:
     queued_s: float  # submission -> a thread started it
     load_s: float  # the thread's load call(s)
     engine_wait_s: float  # submission -> reported to vLLM
+    #: ``get_finished`` calls (engine steps) that found it still running; 0: reported at the first
+    steps: int = 0
+    sync: bool = False  # loaded synchronously in the step that scheduled it (not through this module)
 
 
 @dataclass
@@ -58,6 +61,7 @@ class _Job:
     deadline: float
     started: float | None = None
     load_s: float = 0.0
+    polls: int = 0  # polls that found it (or a sibling of its request) still running
     done: bool = False
     cancelled: bool = False  # the request finished: skip if not started yet
     stale: bool = False  # the cache was reset meanwhile: every block counts as failed
@@ -129,6 +133,7 @@ class Onboarder:
                     job.cancelled = True
             for req_id, jobs in list(self._jobs.items()):
                 if not all(j.done for j in jobs):
+                    jobs[0].polls += 1
                     continue
                 del self._jobs[req_id]
                 failed: list[int] = []
@@ -138,7 +143,8 @@ class Onboarder:
                     tiers += [] if j.stale else j.tiers
                 first = min(j.submitted for j in jobs)
                 started = max((j.started or j.submitted) for j in jobs)
-                out.append(Restored(req_id, failed, tiers, started - first, sum(j.load_s for j in jobs), now - first))
+                out.append(Restored(req_id, failed, tiers, started - first, sum(j.load_s for j in jobs), now - first,
+                                    steps=jobs[0].polls))
         return out
 
     def wait_for_any(self, timeout_s: float) -> bool:

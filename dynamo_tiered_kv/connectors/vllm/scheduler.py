@@ -13,7 +13,9 @@ failure with nothing valid frees the blocks and vLLM asks again). A request abor
 restore runs keeps its blocks until every worker reported it (vLLM's ``finish_requests`` delays
 the free of a ``WAITING_FOR_REMOTE_KVS`` request), so ``request_finished`` never has to.
 
-With ``load_async=False`` loads are synchronous: vLLM runs ``start_load_kv`` before the step's
+A small restore on an idle engine (``SYNC_RESTORE_MAX_TOKENS``) is synchronous even with
+``load_async``: nothing else runs meanwhile, and the request computes in the step that restores it
+instead of two steps later. With ``load_async=False`` every load is synchronous: vLLM runs ``start_load_kv`` before the step's
 forward, and a failed block is reported through ``get_block_ids_with_load_errors`` so vLLM
 recomputes from it on. Saves are whole blocks that become full during a step; the worker
 copies them into staging inside that step's ``wait_for_save``, so by the time a request finishes
@@ -47,6 +49,13 @@ from .rendezvous import LookupClient
 
 log = logging.getLogger(__name__)
 
+#: with ``load_async``, a restore of at most this many tokens on an idle engine (no other request
+#: alive, no restore in flight) runs synchronously in the step that schedules it: nothing else is
+#: there to keep running, and it saves the steps between the restore's end and the request being
+#: runnable (one ``get_finished`` report, one more schedule). Anything larger or under load stays
+#: asynchronous, so a request arriving meanwhile waits at most one such restore. 0: never.
+SYNC_RESTORE_MAX_TOKENS = 4096
+
 
 def token_namespace(model_id: str, block_size: int, tenant_salt: str) -> Namespace:
     """Namespace of the layout-independent token hashes the scheduler computes."""
@@ -68,6 +77,7 @@ class _Req:
     tainted: bool = False
     load_first: int = 0  # block index of the first block of its last load
     loading: bool = False  # an asynchronous load is in flight
+    load_async: bool = False  # how its pending load runs (``SchedulerRole.restore_is_async``)
     #: an asynchronous load failed at this block index: never offer a load reaching it again
     load_cap: int | None = None
 
@@ -106,6 +116,7 @@ class SchedulerRole:
         self._step = 0  # number of the last step built (TieredKVMetadata.step)
         self._reset_pending = False
         self.load_async = config.load_async
+        self.sync_restore_max_tokens = SYNC_RESTORE_MAX_TOKENS
         self._async: dict[str, _AsyncLoad] = {}  # asynchronous loads not yet reported finished
         self._orphans: list[LoadSpec] = []  # async loads of requests finished before they were sent
 
@@ -141,7 +152,19 @@ class SchedulerRole:
         n_hit, _tiers = self._lookup.lookup(hashes[first:])
         matched = n_hit * bs
         st.num_local = num_computed_tokens
-        return (matched, self.load_async) if matched > 0 else (0, False)
+        if matched <= 0:
+            return 0, False
+        st.load_async = self.restore_is_async(request.request_id, matched)
+        return matched, st.load_async
+
+    def restore_is_async(self, req_id: str, tokens: int) -> bool:
+        """Asynchronous unless ``load_async`` is off, or the restore is small (at most
+        ``sync_restore_max_tokens``) and the engine idle: no other request alive (running,
+        waiting or preempted) and no asynchronous restore in flight."""
+        if not self.load_async:
+            return False
+        idle = not self._async and not self._orphans and all(r == req_id for r in self._reqs)
+        return not (idle and tokens <= self.sync_restore_max_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._state(request)
@@ -151,9 +174,9 @@ class SchedulerRole:
         if ext_blocks > 0 and st.ns is not None:
             ids = list(blocks.get_block_ids()[0])
             st.pending_load = LoadSpec(request.request_id, ids[local_blocks:local_blocks + ext_blocks],
-                                       st.hashes[local_blocks:local_blocks + ext_blocks], is_async=self.load_async)
+                                       st.hashes[local_blocks:local_blocks + ext_blocks], is_async=st.load_async)
             st.load_first = local_blocks
-            st.loading = self.load_async
+            st.loading = st.load_async
         # Blocks the engine already had or is about to load are stored: never save them again.
         st.saved = max(st.saved, local_blocks + ext_blocks)
 

@@ -151,9 +151,10 @@ class WorkerRole:
         return {r.req_id for r in done}
 
     def _note_restored(self, r: Restored) -> None:
+        """Account one finished restore (asynchronous, or synchronous in this step)."""
         if r.failed_block_ids:
-            log.info("request %s: %d blocks failed to restore; vLLM recomputes them", r.req_id,
-                     len(r.failed_block_ids))
+            log.info("request %s: %d blocks failed to %s; vLLM recomputes them", r.req_id,
+                     len(r.failed_block_ids), "load" if r.sync else "restore")
             self._load_errors.update(r.failed_block_ids)
         self.served[r.req_id] = r.tier_per_block
         if len(self.served) > _SERVED_HISTORY:
@@ -172,7 +173,6 @@ class WorkerRole:
                 self._failed_this_step.update(spec.block_ids)
             self._load_errors |= self._failed_this_step
             return
-        t0 = time.perf_counter()
         deadline = time.monotonic() + self.config.load_timeout_s
         for i, spec in enumerate(loads):
             left = deadline - time.monotonic()
@@ -182,16 +182,14 @@ class WorkerRole:
                             self.config.load_timeout_s, len(late), len(loads) - i)
                 self._failed_this_step.update(late)
                 break
+            t0 = time.perf_counter()
             res = self.store.load(self.layout, spec.block_ids, self.keys_of(spec.token_hashes), timeout=left)
-            self.served[spec.req_id] = res.tier_per_block
-            if len(self.served) > _SERVED_HISTORY:
-                self.served.popitem(last=False)
-            if res.failed_block_ids:
-                log.info("request %s: %d of %d blocks failed to load; vLLM recomputes them", spec.req_id,
-                         len(res.failed_block_ids), len(spec.block_ids))
-                self._failed_this_step.update(res.failed_block_ids)
+            dt = time.perf_counter() - t0
+            self._failed_this_step.update(res.failed_block_ids)
+            # the request runs in this very step: its wait is the load itself, no step in between
+            self._note_restored(Restored(spec.req_id, list(res.failed_block_ids), list(res.tier_per_block),
+                                         0.0, dt, dt, steps=0, sync=True))
         self._load_errors |= self._failed_this_step
-        self.load_seconds += time.perf_counter() - t0
 
     def wait_for_save(self, meta: TieredKVMetadata) -> None:
         if self.store is None or self.layout is None:
