@@ -320,3 +320,29 @@ def test_the_namespace_follows_the_engine_model_identity(tmp_path: Path, monkeyp
             assert eng.lookup(ks) == expect
         finally:
             eng.stop()
+
+
+def test_a_failing_ssd_degrades_to_recompute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every SSD write fails: store jobs still finish, lookups end as MISS once nothing is queued
+    (never an endless RETRY), and the keys staged meanwhile stay bounded."""
+    from dynamo_tiered_kv.connectors.vllm_tiering import tier as tier_module
+
+    monkeypatch.setattr(tier_module, "MAX_PENDING_KEYS", 4)
+    eng = Engine.start(ssd(tmp_path), chunks=16)
+
+    async def broken(items):  # type: ignore[no-untyped-def]
+        raise OSError(5, "Input/output error")
+
+    eng.tier.store.tiers[0].write_many = broken  # type: ignore[method-assign]
+    try:
+        ks = keys(9)
+        for i in range(0, 9, 3):
+            eng.store(ks[i:i + 3])
+        eng.settle()
+        assert eng.tier.store.drain(30)
+        assert len(eng.tier._pending) <= 4
+        eng.evict_primary()
+        assert eng.lookup(ks) == [MISS] * 9
+        assert metric(eng, "dtkv_tier_errors_total", tier="ssd", op="write") >= 1
+    finally:
+        eng.stop()

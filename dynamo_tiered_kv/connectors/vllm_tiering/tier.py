@@ -68,6 +68,9 @@ log = logging.getLogger(__name__)
 PENDING_RETRY_S = 5.0
 #: failed keys remembered as MISS (oldest forgotten first)
 MAX_FAILED_KEYS = 1 << 16
+#: staged keys remembered as RETRY; past this, expired ones go, then the oldest (a tier whose
+#: writes keep failing never reports them stored)
+MAX_PENDING_KEYS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -216,6 +219,8 @@ class DynamoTieredKVTier(SecondaryTierManager):
             with self._lock:
                 for k in keys:
                     self._pending[k] = t0 + PENDING_RETRY_S
+                if len(self._pending) > MAX_PENDING_KEYS:
+                    self._prune_pending_locked(time.monotonic())
             # one slab's worth is accepted or dropped whole; short of a free slab or queue room it
             # waits (the primary keeps the chunks pinned for us) and is offered once there is room,
             # so a wait does not count as another sighting for admission
@@ -231,6 +236,12 @@ class DynamoTieredKVTier(SecondaryTierManager):
             accepted += len(part)
         return JobResult(job_id, True, transfer_time=time.monotonic() - t0,
                          transfer_bytes=accepted * self.block_size_bytes)
+
+    def _prune_pending_locked(self, now: float) -> None:
+        for k in [k for k, until in self._pending.items() if until <= now]:
+            del self._pending[k]
+        while len(self._pending) > MAX_PENDING_KEYS:
+            del self._pending[next(iter(self._pending))]
 
     def _has_room(self) -> bool:
         store = self.store
