@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from dynamo_tiered_kv.config import TieredKVConfig
+from dynamo_tiered_kv.connectors.vllm import identity
 from dynamo_tiered_kv.connectors.vllm.identity import model_identity, weights_fingerprint
 from dynamo_tiered_kv.connectors.vllm.scheduler import SchedulerRole
 from dynamo_tiered_kv.keys import scope_salt
@@ -152,7 +153,7 @@ def _keys_in_new_process(*paths: str) -> list[bytes]:
     return [bytes.fromhex(line) for line in out.stdout.split()]
 
 
-def test_lora_with_same_name_and_other_path_or_weights_never_shares_keys(tmp_path: Path) -> None:
+def test_lora_with_same_name_and_other_path_or_weights_never_shares_keys(tmp_path: Path, monkeypatch) -> None:
     from vllm.lora.request import LoRARequest
 
     v1 = os.urandom(1 << 16)
@@ -165,16 +166,18 @@ def test_lora_with_same_name_and_other_path_or_weights_never_shares_keys(tmp_pat
     # the same adapter gives the same keys in another process (another node holding a copy)
     same, = _keys_in_new_process(p1)
     assert same == b"".join(k1)
-    # node B serves v2 under the same name and path: its keys differ from v1's
+    # node B serves v2 under the same name and path: its keys differ from v1's. A fresh process
+    # starts with no adapter identified; emptying this process's cache stands in for one (each
+    # spawned process costs a vLLM import).
     (tmp_path / "adapters" / "v1" / "adapter_model.safetensors").write_bytes(os.urandom(1 << 16))
-    node_b, = _keys_in_new_process(p1)
-    assert node_b != b"".join(k1)
+    monkeypatch.setattr(identity, "_LORA_SCOPES", type(identity._LORA_SCOPES)())
+    assert _lora_hashes(role, LoRARequest("support-bot", 1, p1), "c") != k1
     # another adapter config (rank) over the same weight bytes at the same path differs too
     p3 = _adapter(tmp_path / "cfg", v1, rank=8)
-    r8, = _keys_in_new_process(p3)
+    r8 = _lora_hashes(role, LoRARequest("support-bot", 1, p3), "d")
     _adapter(tmp_path / "cfg", v1, rank=16)
-    r16, = _keys_in_new_process(p3)
-    assert r16 != r8
+    monkeypatch.setattr(identity, "_LORA_SCOPES", type(identity._LORA_SCOPES)())
+    assert _lora_hashes(role, LoRARequest("support-bot", 1, p3), "e") != r8
 
 
 def test_lora_fingerprint_is_cached_per_adapter_until_vllm_reloads_it(tmp_path: Path) -> None:
