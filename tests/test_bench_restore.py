@@ -154,3 +154,28 @@ def test_interference_quick_engine(tmp_path: Path):
         phases = {p["phase"]: p for p in r["step_trace"]}
         assert {"baseline", "restore", "resident"} <= set(phases)
         assert phases["restore"]["steps"] > 0 and phases["restore"]["cpu_ms"].get("MainThread", 0) > 0
+
+
+def test_restore_size_sweep_rows_and_table():
+    res = _result()
+    res["sizes"] = [256, 8192]
+    for name, ovh, wait, rep in (("ssd", 12.0, 9.0, {"sync": True, "steps": 0}),
+                                 ("example", 30.0, None, None)):
+        sess = res["sessions"][name]
+        sess["sweep_raw"] = {"256": [0.004, 0.004]}
+        for rnd in sess["rounds"]:
+            rnd["sweep:256"] = {"ttft_ms": 100.0 + ovh, "cached_tokens": 128, "engine_wait_ms": wait,
+                                "restore_reports": [rep] if rep else [], "stages": None}
+            rnd["sweep_resident:256"] = {"ttft_ms": 100.0}
+    res["summary"] = report.summarize(res)
+    rows = {(r["tier"], r["size"]): r for r in res["summary"]["sweep"]}
+    small, big = rows[("ssd", 256)], rows[("ssd", 8192)]
+    assert small["overhead_ratio_raw"] == pytest.approx(12.0 / 4.0)
+    assert small["engine_wait_ratio_raw"] == pytest.approx(9.0 / 4.0)
+    assert small["example_over_ours_overhead"] == pytest.approx(30.0 / 12.0)
+    assert (small["sync"], small["restores"]) == (2, 2)  # one synchronous restore per round
+    # the context size is the long prompt itself: its overhead is long - resident, its raw the long raw
+    assert big["overhead_ms"] == pytest.approx(50.0) and big["raw_ms"] == pytest.approx(50.0)
+    assert big["example_over_ours_overhead"] == pytest.approx(130.0 / 50.0)
+    assert ("host", 256) not in rows  # no sweep prompt measured in that session
+    assert "size sweep" in report.format_tables(res)

@@ -14,7 +14,10 @@
   restore read), ``"odirect"`` (O_DIRECT ``preadv`` of the long prompt's records in tier
   ``raw_tier``), ``"s3"`` (ranged GETs of them from ``s3_endpoint`` / ``s3_bucket``), or null;
   ``raw_chunk_bytes``, ``raw_depth``: request size and requests in flight;
-* ``persist``: at the end, seal the SSD segment and write it back to the object tier.
+* ``persist``: at the end, seal the SSD segment and write it back to the object tier;
+* ``sweep``: more prompts by size (``{"2048": tokens}``), stored with ``store_first`` and each
+  measured every round like ``long`` (restored, then from the prefix cache), under
+  ``sweep:SIZE`` / ``sweep_resident:SIZE``, with their own raw read in ``sweep_raw[SIZE]``.
 
 Per dtkv request the store's ``LoadResult.stages`` (when the store reports them) are recorded.
 """
@@ -40,12 +43,15 @@ class LoadTap:
     def __init__(self, store: Any, worker: Any = None) -> None:
         self.calls: list[dict[str, Any]] = []
         self.waits: list[float] = []
+        self.reports: list[dict[str, Any]] = []  # per restore: sync or async, steps it was pending
         orig = store.load
         if worker is not None and hasattr(worker, "_note_restored"):
             note = worker._note_restored
 
             def noted(r: Any) -> None:
                 self.waits.append(r.engine_wait_s)  # submission -> reported to vLLM (runnable)
+                self.reports.append({"sync": getattr(r, "sync", False), "steps": getattr(r, "steps", None),
+                                     "queued_ms": r.queued_s * 1000, "load_ms": r.load_s * 1000})
                 note(r)
 
             worker._note_restored = noted
@@ -65,6 +71,10 @@ class LoadTap:
 
     def take_waits(self) -> list[float]:
         out, self.waits = self.waits, []
+        return out
+
+    def take_reports(self) -> list[dict[str, Any]]:
+        out, self.reports = self.reports, []
         return out
 
 
@@ -100,61 +110,84 @@ def _measure(s: Session, tap: LoadTap | None, prompt: list[int], spec: dict[str,
         rec["_keys"] = [k for c in calls for k in c["keys"]]
         waits = tap.take_waits()
         rec["engine_wait_ms"] = sum(waits) * 1000 if waits else None
+        rec["restore_reports"] = tap.take_reports()
     return rec
+
+
+def _drop_taps(tap: LoadTap | None) -> None:
+    if tap is not None:
+        tap.take()
+        tap.take_waits()
+        tap.take_reports()
+
+
+def _raw_for(kind: str | None, spec: dict[str, Any], rec: dict[str, Any], extents: Any, s3r: Any,
+             buf: Any) -> float | None:
+    """The raw ceiling of one restore: memcpy of the bytes it read, or the same records read raw."""
+    if kind == "memcpy":
+        nbytes = int(sum(rec.get("read_bytes", {}).values()))
+        return raw.memcpy(nbytes) if nbytes else None
+    if kind == "odirect" and extents:
+        evict(spec.get("evict", []))
+        return raw.odirect_read(extents, spec["raw_chunk_bytes"], spec["raw_depth"], buf)
+    if kind == "s3" and extents and s3r is not None:
+        return s3r.read(extents, spec["raw_chunk_bytes"], spec["raw_depth"])
+    return None
 
 
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     t = time.perf_counter()
     s = Session(spec)
-    res: dict[str, Any] = {"engine_start_s": time.perf_counter() - t, "rounds": [], "raw": []}
+    res: dict[str, Any] = {"engine_start_s": time.perf_counter() - t, "rounds": [], "raw": [], "sweep_raw": {}}
     tap = LoadTap(s.store, s.worker) if s.store is not None else None
     prompts = {"long": spec["long"], "short": spec["short"]}
+    sweep: dict[str, list[int]] = spec.get("sweep") or {}
     done = 0
     if spec.get("store_first"):
-        res["store"] = {k: s.measure(p, reset=True) for k, p in prompts.items()}
-        if tap is not None:
-            tap.take()
-            tap.take_waits()
+        res["store"] = {k: s.measure(p, reset=True) for k, p in {**prompts, **sweep}.items()}
+        _drop_taps(tap)
         if s.store is not None:
             s.store.drain(120)
         done += 1
         _progress(done)
-    kind, extents, s3r, buf = spec.get("raw"), None, None, None
+    kind, s3r, buf = spec.get("raw"), None, None
+    extents: dict[str, Any] = {}  # prompt name -> the raw ranges of what its restore read
     res["raw_kind"] = kind
     for r in range(0 if spec.get("warm", True) else 1, spec["rounds"] + 1):  # round 0: warm, unmeasured
         order = ["long", "short"] if r % 2 else ["short", "long"]
         recs: dict[str, Any] = {}
-        for k in order:
-            recs[k] = _measure(s, tap, prompts[k], spec)
-            if k == "long":  # vLLM's prefix cache holds what was just restored or computed
-                recs["resident"] = s.measure(prompts["long"], reset=False)
-                if tap is not None:
-                    tap.take()
-                    tap.take_waits()
-        keys = recs["long"].pop("_keys", None)
-        recs["short"].pop("_keys", None)
-        if r == 0:  # warm round: resolve the raw ranges of what the long restore read
+        keys: dict[str, Any] = {}
+        for k in order + [f"sweep:{n}" for n in sweep]:
+            prompt = prompts[k] if k in prompts else sweep[k.split(":")[1]]
+            recs[k] = _measure(s, tap, prompt, spec)
+            keys[k] = recs[k].pop("_keys", None)
+            if k != "short":  # vLLM's prefix cache holds what was just restored or computed
+                recs["resident" if k == "long" else f"sweep_resident:{k.split(':')[1]}"] = \
+                    s.measure(prompt, reset=False)
+                _drop_taps(tap)
+        if r == 0:  # warm round: resolve the raw ranges of what each restore read
             res["warm"] = recs
-            if kind in ("odirect", "s3") and s.store is not None and keys:
-                extents = raw.locate(s.store, keys, spec["raw_tier"])
-                res["raw_extents"] = len(extents)
-                res["raw_bytes"] = sum(e[2] for e in extents)
+            if kind in ("odirect", "s3") and s.store is not None:
+                for k, ks in keys.items():
+                    if k != "short" and ks:
+                        extents[k] = raw.locate(s.store, ks, spec["raw_tier"])
+                if "long" in extents:
+                    res["raw_extents"] = len(extents["long"])
+                    res["raw_bytes"] = sum(e[2] for e in extents["long"])
                 if kind == "s3":
                     s3r = raw.S3Raw(spec["s3_endpoint"], spec["s3_bucket"])
-                else:
-                    buf = raw.aligned_buffer(sum(e[2] for e in raw.merge(extents)))
+                elif extents:
+                    most = max(sum(e[2] for e in raw.merge(x)) for x in extents.values())
+                    buf = raw.aligned_buffer(most)
             continue
         res["rounds"].append(recs)
         if kind == "memcpy":
-            nbytes = int(sum(recs["long"].get("read_bytes", {}).values()))
-            res["raw_bytes"] = nbytes
-            res["raw"].append(raw.memcpy(nbytes) if nbytes else None)
-        elif kind == "odirect" and extents:
-            evict(spec.get("evict", []))
-            res["raw"].append(raw.odirect_read(extents, spec["raw_chunk_bytes"], spec["raw_depth"], buf))
-        elif kind == "s3" and extents and s3r is not None:
-            res["raw"].append(s3r.read(extents, spec["raw_chunk_bytes"], spec["raw_depth"]))
+            res["raw_bytes"] = int(sum(recs["long"].get("read_bytes", {}).values()))
+        res["raw"].append(_raw_for(kind, spec, recs["long"], extents.get("long"), s3r, buf))
+        for n in sweep:
+            k = f"sweep:{n}"
+            res["sweep_raw"].setdefault(n, []).append(_raw_for(kind, spec, recs[k], extents.get(k), s3r, buf))
         done += 1
         _progress(done)
     if s3r is not None:

@@ -105,7 +105,71 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
             row["example_over_ours_overhead"] = ex_ovh / ovh if ex_ovh and ovh else None
         out["rows"].append(row)
     out["targets"] = targets(out, res.get("object_tier", ""))
+    out["sweep"] = sweep_rows(res)
     return out
+
+
+def _size_keys(res: dict[str, Any], size: int) -> tuple[str, str]:
+    """(restored, prefix-cache) record names of prompt size ``size`` in a session's rounds."""
+    return ("long", "resident") if size == res["context_tokens"] else (f"sweep:{size}", f"sweep_resident:{size}")
+
+
+def _size_overhead(sess: dict[str, Any], k: str, kr: str) -> float | None:
+    return _med([r[k]["ttft_ms"] - r[kr]["ttft_ms"] for r in sess["rounds"] if k in r and kr in r])
+
+
+def sweep_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per tier and prompt size (``--sizes``): restore overhead, wait in the engine, raw read, the
+    ratios between them and ExampleConnector's overhead / ours; how the restores ran."""
+    sess = res["sessions"]
+    ex = sess.get("example")
+    out: list[dict[str, Any]] = []
+    for size in res.get("sizes") or []:
+        k, kr = _size_keys(res, size)
+        ex_ovh = _size_overhead(ex, k, kr) if ex else None
+        for tier in TIERS:
+            s = sess.get(tier)
+            if not s or not s["rounds"] or k not in s["rounds"][0]:
+                continue
+            raws = s.get("raw", []) if k == "long" else s.get("sweep_raw", {}).get(str(size), [])
+            raw_ms = _med([x * 1000 for x in raws if x is not None])
+            ovh = _size_overhead(s, k, kr)
+            wait = _med([r[k].get("engine_wait_ms") for r in s["rounds"]])
+            reps = [x for r in s["rounds"] for x in r[k].get("restore_reports") or []]
+            st = _stages([{"long": r[k]} for r in s["rounds"]])
+            out.append({
+                "tier": tier, "size": size, "restored_tokens": _med([r[k]["cached_tokens"] for r in s["rounds"]]),
+                "overhead_ms": ovh, "engine_wait_ms": wait, "raw_ms": raw_ms,
+                "raw_kind": RAW_DESC.get(s.get("raw_kind", ""), ""),
+                "overhead_ratio_raw": ovh / raw_ms if ovh is not None and ovh > 0 and raw_ms else None,
+                "engine_wait_ratio_raw": wait / raw_ms if wait and raw_ms else None,
+                "example_overhead_ms": ex_ovh,
+                "example_over_ours_overhead": ex_ovh / ovh if ex_ovh and ovh and ovh > 0 else None,
+                "sync": sum(bool(x.get("sync")) for x in reps), "restores": len(reps),
+                "steps_pending": _med([x["steps"] for x in reps if not x.get("sync") and x.get("steps") is not None]),
+                "store_total_ms": st["total_ms"] if st else None, "chunks": st["chunks"] if st else None})
+    return out
+
+
+def format_sweep(res: dict[str, Any]) -> list[str]:
+    rows = res["summary"].get("sweep") or []
+    if not rows:
+        return []
+    lines = ["", "size sweep (same sessions; medians of the rounds): overhead = TTFT restored - TTFT from vLLM's "
+             "prefix cache; in engine: the request's wait for its restore; Ex/ours: ExampleConnector's cold "
+             "overhead / ours; sync: restores run synchronously in their step; steps: engine steps an async "
+             "restore was pending",
+             f"{'tier':<7} {'size':>6} {'restored':>8} {'raw ms':>7} {'overhead':>8} {'ovh/raw':>7} "
+             f"{'in engine':>9} {'/raw':>6} {'store':>6} {'chunks':>6} {'Ex ovh':>7} {'Ex/ours':>7} "
+             f"{'sync':>5} {'steps':>5}"]
+    for r in rows:
+        lines.append(f"{r['tier']:<7} {r['size']:>6} {_f(r['restored_tokens'], '.0f'):>8} {_f(r['raw_ms']):>7} "
+                     f"{_f(r['overhead_ms']):>8} {_f(r['overhead_ratio_raw'], '.2f'):>6}x "
+                     f"{_f(r['engine_wait_ms']):>9} {_f(r['engine_wait_ratio_raw'], '.2f'):>5}x "
+                     f"{_f(r['store_total_ms']):>6} {_f(r['chunks'], '.0f'):>6} {_f(r['example_overhead_ms']):>7} "
+                     f"{_f(r['example_over_ours_overhead'], '.2f'):>6}x {r['sync']:>2}/{r['restores']:<2} "
+                     f"{_f(r['steps_pending'], '.0f'):>5}")
+    return lines
 
 
 def targets(s: dict[str, Any], obj_desc: str) -> list[dict[str, Any]]:
@@ -207,6 +271,10 @@ def format_tables(res: dict[str, Any]) -> str:
                          f"{_f(r.get('example_over_ours_wait'), '.2f'):>6}x")
     else:
         lines += ["", "(the store reports no restore stages: breakdown skipped)"]
+    lines += format_sweep(res)
+    if res.get("load_avg"):
+        lines.append(f"load average at the end of the run: {' '.join(f'{x:.1f}' for x in res['load_avg'])} "
+                     f"({res.get('cpu_count')} CPUs)")
     lines += ["", "targets (issue 11 item 5):"]
     for t in s["targets"]:
         m = f"{t['measured']:.1%}" if t["fmt"] == "%" else f"{t['measured']:.2f}x"

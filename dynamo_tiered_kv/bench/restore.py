@@ -24,6 +24,11 @@ Also measured on the same prompts: recompute (no connector) and vLLM's ``Example
 restore (its files fsynced and dropped from the page cache before every request). Reported: ours
 / raw, ExampleConnector / ours, TTFT reduction vs recompute, and the store's own restore stages
 (``LoadResult.stages``: read per tier, wait, decode) when the store reports them.
+
+``--sizes 256,2048,8192``: the same per prompt size, in the same sessions (so ratios of one size
+compare with the same run's others): per tier and size the restore overhead / raw read, the wait
+in the engine / raw read, ExampleConnector's overhead / ours, and how each restore ran (synchronous
+in its step, or asynchronous and how many engine steps it was pending).
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="work directory: model, tiers, engine logs, restore.json")
     p.add_argument("--context", type=int, default=8192, help="long prompt tokens")
     p.add_argument("--short", type=int, default=256, help="short prompt tokens (the marginal's baseline)")
+    p.add_argument("--sizes", default="",
+                   help="size sweep, prompt tokens comma-separated (e.g. 256,2048,8192): each restored and "
+                        "measured every round in the same sessions; the largest is the long prompt (--context)")
     p.add_argument("--block-size", type=int, default=128, help="engine and store block size in tokens")
     p.add_argument("--rounds", type=int, default=5, help="measured rounds per tier (medians are reported)")
     p.add_argument("--recompute-rounds", type=int, default=2, help="measured rounds without a connector")
@@ -129,6 +137,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.quick:
         args.context, args.rounds, args.recompute_rounds = min(args.context, 1024), 2, 1
+    sizes = sorted({int(x) for x in args.sizes.split(",") if x.strip()})
+    if sizes:
+        args.context = max(sizes)
     work: Path = args.out
     work.mkdir(parents=True, exist_ok=True)
     for d in ("ssd", "example"):
@@ -137,14 +148,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = engine_base(work, args.context, args.block_size, QWEN2_BENCH_SPEC)
     v = QWEN2_BENCH_SPEC.vocab_size
     long, short = synthetic_tokens(args.context, seed=7001, vocab_size=v), synthetic_tokens(args.short, 7002, v)
+    # their own tokens (seed per size): no prompt of the sweep is a prefix of another
+    sweep = {str(n): synthetic_tokens(n, 7100 + n, v) for n in sizes if n != args.context}
     obj, obj_desc = object_tier(args, work)
     ssd = {"ssd_dir": str((work / "ssd").resolve()), "ssd_capacity_bytes": 8 << 30, "ssd_segment_bytes": 256 << 20}
     common = {"staging_slab_bytes": 16 << 20, "staging_slabs": 8, **load_async_extra(args.load_async)}
-    dtkv = {"connector": "dtkv", "long": long, "short": short, "rounds": args.rounds,
+    dtkv = {"connector": "dtkv", "long": long, "short": short, "sweep": sweep, "rounds": args.rounds,
             "raw_chunk_bytes": args.raw_chunk_kib << 10, "raw_depth": args.raw_depth}
     s3_raw = {"raw": "s3", "s3_endpoint": args.s3_endpoint, "s3_bucket": args.s3_bucket} if args.s3_endpoint \
         else {"raw": "odirect", "evict": [str(work / "objects")]}
-    ex = {"connector": "example", "shared_storage_path": str(work / "example"), "long": long, "short": short}
+    ex = {"connector": "example", "shared_storage_path": str(work / "example"), "long": long, "short": short,
+          "sweep": sweep}
     plan: list[tuple[str, dict[str, Any]]] = [
         ("host", {**dtkv, "store_first": True, "persist": True, "raw": "memcpy",
                   "extra_config": {"host_capacity_bytes": 1 << 30, **ssd, **obj, **common}})]
@@ -169,7 +183,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "short_tokens": args.short, "block_size": args.block_size, "rounds": args.rounds,
                            "object_tier": obj_desc, "raw_chunk_bytes": args.raw_chunk_kib << 10,
                            "raw_depth": args.raw_depth, "load_async": args.load_async, "cpu_count": os.cpu_count(),
-                           "sessions": sessions}
+                           "sizes": sizes, "load_avg": os.getloadavg(), "sessions": sessions}
     res["summary"] = summarize(res)
     res["result_file"] = str(work / "restore.json")
     (work / "restore.json").write_text(json.dumps(res, indent=1))
