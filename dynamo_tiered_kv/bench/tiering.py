@@ -1,0 +1,348 @@
+"""tiering: our vLLM secondary tier next to vLLM 0.33's own ``fs`` and ``obj`` tiers, under the same manager.
+
+Every tier runs below the same vLLM ``TieringOffloadingManager`` and CPU primary, on the same
+chunks (``--tokens``-token prefixes, 256-token chunks, one model shape per ``--kib-per-token``):
+
+* ``dtkv``: ours with an SSD directory (segment log, checksummed records);
+* ``fs``: vLLM's file-per-chunk tier in a sibling directory of the same filesystem;
+* ``dtkv-s3``: ours with the object store alone; ``obj``: vLLM's NIXL OBJ tier; both against the
+  same S3 server (``--s3-endpoint``/``DTKV_S3_ENDPOINT``; without one they are left out).
+
+Per tier and shape: store GB/s (``complete_store`` to every tier job done and, for ours, every
+accepted write on the medium), load GB/s in ANOTHER process (a restart: lookups, promotions,
+bytes checked against what was stored; page cache dropped before each run when root),
+requests and objects per prefix (S3: the RGW's own counters with ``--rgw-admin-socket``; local:
+the process's read/write syscalls), lookup time for ``--lookup-keys`` keys, bytes on disk after
+writing ``--churn`` times a capacity, and what one flipped byte per chunk does to a load.
+
+Each phase is its own process (``_tiering_peers``), with vLLM 0.33 first on ``sys.path``
+(``--vllm-path``, default ``.deps/vllm-0.33``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import report
+
+GiB = 1 << 30
+MiB = 1 << 20
+CHUNK_TOKENS = 256  # _tiering_peers: 16 blocks of 16 tokens
+SEGMENT_SUFFIX = ".dtkv"
+HEADER = 4096  # one-layer record header (docs/FORMAT.md)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", type=Path, default=Path("dtkv-bench-tiering"),
+                   help="parent of each local tier's directory (one filesystem for all; O_DIRECT-capable)")
+    p.add_argument("--tiers", default="dtkv,fs,dtkv-s3,obj", help="tiers to run, comma-separated")
+    p.add_argument("--kib-per-token", default="8,128", help="model shapes: KV bytes per token in KiB")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per prefix (multiple of 256)")
+    p.add_argument("--gib-per-run", type=float, default=1.0, help="bytes stored per run (at least one prefix)")
+    p.add_argument("--runs", type=int, default=3, help="runs (each on its own prefixes)")
+    p.add_argument("--lookup-keys", type=int, default=10_000, help="keys in the lookup test")
+    p.add_argument("--churn-capacity-mib", type=int, default=512, help="SSD capacity for the churn test")
+    p.add_argument("--churn", type=float, default=4.0, help="bytes written in the churn test / capacity")
+    p.add_argument("--skip", default="", help="parts to leave out: churn,flip,lookup")
+    p.add_argument("--s3-endpoint", default=os.environ.get("DTKV_S3_ENDPOINT"), help="S3 server for dtkv-s3 and obj")
+    p.add_argument("--rgw-admin-socket", default=None, help="Ceph RGW admin socket: count its S3 requests")
+    p.add_argument("--bucket", default="dtkv-bench-tiering", help="bucket (created if missing)")
+    p.add_argument("--vllm-path", type=Path, default=Path(".deps/vllm-0.33"), help="vLLM 0.33 sources")
+    p.add_argument("--quick", action="store_true", help="small sizes, one run (CI smoke run)")
+
+
+def _worker(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(args.vllm_path.resolve()),
+                                                        *filter(None, [os.environ.get("PYTHONPATH")])]),
+           # vLLM's obj tier (AWS C++ SDK): no aws-chunked checksum trailers, which older S3 servers
+           # (Ceph RGW 16) refuse with 411; our tier's aiobotocore is configured the same way
+           "AWS_REQUEST_CHECKSUM_CALCULATION": "WHEN_REQUIRED", "AWS_RESPONSE_CHECKSUM_VALIDATION": "WHEN_REQUIRED"}
+    p = subprocess.run([sys.executable, "-m", "dynamo_tiered_kv.bench._tiering_peers", json.dumps(spec)],
+                       capture_output=True, text=True, env=env, timeout=3600)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        raise RuntimeError(f"{spec['tier']} {spec['phase']} failed (rc {p.returncode}):\n{p.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def _s3(args: argparse.Namespace) -> Any:
+    import boto3
+
+    return boto3.client("s3", endpoint_url=args.s3_endpoint, region_name=os.environ.get("AWS_REGION", "us-east-1"),
+                        aws_access_key_id=os.environ.get("DTKV_S3_ACCESS_KEY", "testing"),
+                        aws_secret_access_key=os.environ.get("DTKV_S3_SECRET_KEY", "testing"))
+
+
+def _settings(args: argparse.Namespace, tier: str, where: Path, prefix: str, row: int,
+              capacity: int | None = None) -> dict[str, Any]:
+    if tier == "fs":
+        return {"root_dir": str(where)}
+    ak, sk = os.environ.get("DTKV_S3_ACCESS_KEY", "testing"), os.environ.get("DTKV_S3_SECRET_KEY", "testing")
+    if tier == "obj":
+        host = args.s3_endpoint.split("://", 1)[-1].rstrip("/")
+        return {"store_config": {"bucket": args.bucket, "endpoint_override": host, "access_key": ak,
+                                 "secret_key": sk, "region": "us-east-1",
+                                 "scheme": args.s3_endpoint.split("://", 1)[0]}, "prefix": prefix}
+    ours: dict[str, Any] = {"model_id": "bench", "staging_slab_bytes": max(32 * MiB, 2 * row),
+                            "ssd_segment_bytes": max(256 * MiB, 4 * row) if capacity is None else 4 * row}
+    if capacity is not None:
+        ours.update(ssd_capacity_bytes=capacity, ssd_allow_evict_unflushed=True)
+    if tier == "dtkv":
+        return {**ours, "ssd_dir": str(where)}
+    return {**ours, "object_url": f"s3://{args.bucket}/{prefix}", "s3_endpoint_url": args.s3_endpoint,
+            "s3_access_key": ak, "s3_secret_key": sk}
+
+
+def _disk(tier: str, where: Path, args: argparse.Namespace, prefix: str) -> tuple[int, int]:
+    """(bytes, objects) a tier holds: files under its directory, or objects under its S3 prefix."""
+    if tier in ("dtkv", "fs"):
+        files = [f for f in where.rglob("*") if f.is_file() and f.suffix in (SEGMENT_SUFFIX, ".bin")]
+        return sum(f.stat().st_blocks * 512 for f in files), len(files)
+    total = n = 0
+    for page in _s3(args).get_paginator("list_objects_v2").paginate(Bucket=args.bucket, Prefix=prefix):
+        for o in page.get("Contents", []):
+            if tier == "obj" or o["Key"].endswith(SEGMENT_SUFFIX) or "/seg" in o["Key"]:
+                total, n = total + o["Size"], n + 1
+    return total, n
+
+
+def _flip_offsets(tier: str, size: int, row: int) -> list[int]:
+    """One byte in the payload of every chunk a file/object holds."""
+    if tier in ("fs", "obj"):
+        return [size // 2]
+    rec = HEADER + row
+    return [k * rec + HEADER + row // 2 for k in range(size // rec)]
+
+
+def _flip(tier: str, where: Path, args: argparse.Namespace, prefix: str, row: int, tag: str) -> int:
+    """Flip one byte per stored chunk of run 0 (ours: of every record in the segments); returns flips."""
+    flips = 0
+    if tier in ("dtkv", "fs"):
+        for f in where.rglob("*"):
+            if not f.is_file() or f.suffix not in (SEGMENT_SUFFIX, ".bin"):
+                continue
+            with open(f, "r+b") as fh:
+                for off in _flip_offsets(tier, f.stat().st_size, row):
+                    fh.seek(off)
+                    b = fh.read(1)
+                    fh.seek(off)
+                    fh.write(bytes([b[0] ^ 0x01]))
+                    flips += 1
+        return flips
+    s3 = _s3(args)
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=args.bucket, Prefix=prefix):
+        for o in page.get("Contents", []):
+            offs = _flip_offsets(tier, o["Size"], row)
+            if not offs or (tier != "obj" and not o["Key"].endswith(SEGMENT_SUFFIX)):
+                continue
+            body = bytearray(s3.get_object(Bucket=args.bucket, Key=o["Key"])["Body"].read())
+            for off in offs:
+                body[off] ^= 0x01
+            s3.put_object(Bucket=args.bucket, Key=o["Key"], Body=bytes(body))
+            flips += len(offs)
+    return flips
+
+
+def _clear(tier: str, where: Path, args: argparse.Namespace, prefix: str) -> None:
+    shutil.rmtree(where, ignore_errors=True)
+    if tier in ("dtkv-s3", "obj"):
+        s3 = _s3(args)
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=args.bucket, Prefix=prefix):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                s3.delete_objects(Bucket=args.bucket, Delete={"Objects": keys})
+
+
+def _range(xs: list[float]) -> dict[str, float] | None:
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)} if xs else None
+
+
+def _one(args: argparse.Namespace, tier: str, kib: int, plan: dict[str, Any], skip: set[str]) -> dict[str, Any]:
+    row = kib * 1024 * CHUNK_TOKENS
+    chunks = plan["tokens"] // CHUNK_TOKENS
+    prefixes = max(1, int(plan["bytes_per_run"] // (row * chunks)))
+    name = f"{tier}-{kib}k"
+    where, prefix = args.dir.resolve() / name, f"bench-{name}-{os.getpid()}"
+    _clear(tier, where, args, prefix)
+    base = {"tier": tier, "settings": _settings(args, tier, where, prefix, row), "row_bytes": row,
+            "chunks_per_prefix": chunks, "prefixes": prefixes, "primary_chunks": prefixes * chunks + 8,
+            "model": f"bench/kv-{kib}k", "tag": name, "runs": plan["runs"],
+            "rgw_admin_socket": args.rgw_admin_socket}
+    report.progress("tiering", f"{name}: store {plan['runs']} x {prefixes} prefixes of {chunks} chunks")
+    stored = _worker(args, {**base, "phase": "store"})
+    disk_bytes, objects = _disk(tier, where, args, prefix)
+    report.progress("tiering", f"{name}: load in a new process")
+    lookup_keys = 0 if "lookup" in skip else plan["lookup_keys"]
+    loaded = _worker(args, {**base, "phase": "load", "lookup_keys": lookup_keys})
+    per_run_bytes = prefixes * chunks * row
+    out: dict[str, Any] = {
+        "tier": tier, "kib_per_token": kib, "row_bytes": row, "prefixes_per_run": prefixes,
+        "chunks_per_prefix": chunks, "bytes_per_run": per_run_bytes,
+        "store_gbps": _range([per_run_bytes / r["written_s"] / 1e9 for r in stored["runs"]]),
+        "store_jobs_gbps": _range([per_run_bytes / r["jobs_done_s"] / 1e9 for r in stored["runs"]]),
+        "load_gbps": _range([r["bytes"] / r["load_s"] / 1e9 for r in loaded["runs"] if r["load_s"] > 0]),
+        "found_after_restart": sum(r["hits"] for r in loaded["runs"]) / (plan["runs"] * prefixes * chunks),
+        "wrong_bytes_loaded": sum(r["wrong_bytes"] for r in loaded["runs"]),
+        "page_cache_dropped": all(r["page_cache_dropped"] for r in loaded["runs"]),
+        "objects_per_prefix": objects / (plan["runs"] * prefixes),
+        "bytes_on_medium_per_stored_byte": disk_bytes / (plan["runs"] * per_run_bytes),
+        "store_requests_per_prefix": _per_prefix(stored["runs"], prefixes, tier, "put", "syscw"),
+        "load_requests_per_prefix": _per_prefix(loaded["runs"], prefixes, tier, "get", "syscr"),
+        "load_storage_bytes_per_prefix": statistics.median(r["io"].get("read_bytes", 0) for r in loaded["runs"])
+        / prefixes,
+        "backpressure": loaded.get("backpressure"),
+        # ours on S3 alone: its index of the bucket is built in the background at start (lookups miss
+        # until then); the loads are timed once it is ready
+        "index_wait_s": loaded.get("index_wait_s"),
+    }
+    if "lookup" in loaded:
+        lk = loaded["lookup"]
+        out["lookup"] = {"keys": lk["keys"], "hits": lk["hits"], "total_s": lk["lookup_s"],
+                         "us_per_key": lk["lookup_s"] / lk["keys"] * 1e6, "rounds": lk["rounds"]}
+    if "flip" not in skip and plan["flip"]:
+        flips = _flip(tier, where, args, prefix, row, name)
+        report.progress("tiering", f"{name}: {flips} bytes flipped, load again")
+        again = _worker(args, {**base, "phase": "load", "runs": 1, "lookup_keys": 0})["runs"][0]
+        out["flip"] = {"flipped": flips, "chunks": again["chunks"], "returned_ok": again["verified"],
+                       "returned_wrong": again["wrong_bytes"], "missed": again["chunks"] - again["hits"],
+                       "load_failed": again["hits"] - again["verified"] - again["wrong_bytes"]}
+    _clear(tier, where, args, prefix)
+    return out
+
+
+def _per_prefix(runs: list[dict[str, Any]], prefixes: int, tier: str, s3_key: str, io_key: str) -> dict[str, Any]:
+    if tier in ("dtkv-s3", "obj"):
+        vals = [r["s3_requests"].get(s3_key) for r in runs]
+        alls = [r["s3_requests"].get("all") for r in runs]
+        if None in vals or not vals:
+            return {"s3": None}
+        return {"s3_" + s3_key: statistics.median(vals) / prefixes, "s3_all": statistics.median(alls) / prefixes}
+    return {io_key: statistics.median(r["io"].get(io_key, 0) for r in runs) / prefixes}
+
+
+def _churn(args: argparse.Namespace, tier: str, kib: int, plan: dict[str, Any]) -> dict[str, Any]:
+    """Write ``churn`` x the capacity in prefixes, then count what the tier keeps on disk."""
+    row = kib * 1024 * CHUNK_TOKENS
+    chunks = plan["tokens"] // CHUNK_TOKENS
+    cap = plan["churn_capacity"]
+    prefixes = max(1, int(args.churn * cap // (row * chunks)))
+    name = f"{tier}-churn"
+    where = args.dir.resolve() / name
+    _clear(tier, where, args, "")
+    spec = {"tier": tier, "settings": _settings(args, tier, where, name, row, capacity=cap), "row_bytes": row,
+            "chunks_per_prefix": chunks, "prefixes": prefixes, "primary_chunks": prefixes * chunks + 8,
+            "model": f"bench/kv-{kib}k", "tag": name, "runs": 1, "phase": "store"}
+    report.progress("tiering", f"{name}: {prefixes} prefixes into a {cap // MiB} MiB capacity")
+    _worker(args, spec)
+    disk_bytes, files = _disk(tier, where, args, "")
+    _clear(tier, where, args, "")
+    return {"tier": tier, "capacity_bytes": cap, "written_bytes": prefixes * chunks * row, "disk_bytes": disk_bytes,
+            "files": files, "disk_over_capacity": disk_bytes / cap,
+            "capacity_setting": tier == "dtkv"}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    skip = {s for s in args.skip.split(",") if s}
+    tiers = [t for t in args.tiers.split(",") if t]
+    if not args.s3_endpoint:
+        tiers = [t for t in tiers if t not in ("dtkv-s3", "obj")]
+    kibs = [int(k) for k in args.kib_per_token.split(",") if k]
+    plan = {"tokens": args.tokens, "bytes_per_run": args.gib_per_run * GiB, "runs": args.runs,
+            "lookup_keys": args.lookup_keys, "churn_capacity": args.churn_capacity_mib * MiB, "flip": True}
+    if args.quick:
+        plan.update(tokens=1024, bytes_per_run=32 * MiB, runs=1, lookup_keys=min(args.lookup_keys, 500),
+                    churn_capacity=16 * MiB)
+    if plan["tokens"] % CHUNK_TOKENS:
+        raise SystemExit(f"--tokens must be a multiple of {CHUNK_TOKENS}")
+    args.dir.mkdir(parents=True, exist_ok=True)
+    if args.s3_endpoint and any(t in tiers for t in ("dtkv-s3", "obj")):
+        s3 = _s3(args)
+        try:
+            s3.head_bucket(Bucket=args.bucket)
+        except Exception:  # absent (or not visible yet): create it
+            s3.create_bucket(Bucket=args.bucket)
+    t0 = time.monotonic()
+    rows = []
+    for kib in kibs:
+        for tier in tiers:
+            rows.append(_one(args, tier, kib, {**plan, "flip": kib == kibs[0]}, skip))
+    churn = [] if "churn" in skip else [_churn(args, t, kibs[0], plan) for t in tiers if t in ("dtkv", "fs")]
+    return {"machine": {"host": platform.node(), "cpus": os.cpu_count(), "dir": str(args.dir.resolve()),
+                        "fs": _fstype(args.dir), "s3_endpoint": args.s3_endpoint},
+            "plan": {**plan, "kib_per_token": kibs, "tiers": tiers, "chunk_tokens": CHUNK_TOKENS},
+            "tiers": rows, "churn": churn, "targets": targets(rows), "elapsed_s": time.monotonic() - t0}
+
+
+def _fstype(d: Path) -> str | None:
+    try:
+        out = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "-T", str(d)], capture_output=True, text=True)
+        return out.stdout.strip() or None
+    except OSError:
+        return None
+
+
+def _med(row: dict[str, Any] | None, key: str) -> float | None:
+    v = (row or {}).get(key)
+    return v["median"] if isinstance(v, dict) else None
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ours against vLLM's tier of the same medium, per shape (medians of the runs)."""
+    out = []
+    by = {(r["tier"], r["kib_per_token"]): r for r in rows}
+    for (tier, kib), r in by.items():
+        peer = {"dtkv": "fs", "dtkv-s3": "obj"}.get(tier)
+        p = by.get((peer, kib)) if peer else None
+        if p is None:
+            continue
+        t: dict[str, Any] = {"ours": tier, "vllm": peer, "kib_per_token": kib}
+        for what in ("load_gbps", "store_gbps"):
+            a, b = _med(r, what), _med(p, what)
+            t[what.replace("_gbps", "_ratio")] = a / b if a and b else None
+        if peer == "obj":
+            g_ours = r["load_requests_per_prefix"].get("s3_get")
+            g_vllm = p["load_requests_per_prefix"].get("s3_get")
+            t["get_requests_fewer_x"] = g_vllm / g_ours if g_ours and g_vllm else None
+        t["goal"] = {"load_ratio": 2.0 if peer == "obj" else 1.0, "store_ratio": None if peer == "obj" else 0.9,
+                     "get_requests_fewer_x": 10.0 if peer == "obj" else None}
+        out.append(t)
+    return out
+
+
+def format_result(res: dict[str, Any]) -> str:
+    rows = []
+    for r in res["tiers"]:
+        lk = r.get("lookup") or {}
+        fl = r.get("flip") or {}
+        req = r["load_requests_per_prefix"]
+        rows.append([r["tier"], r["kib_per_token"], _span(r["store_gbps"]), _span(r["load_gbps"]),
+                     r["found_after_restart"], r["objects_per_prefix"],
+                     req.get("s3_get", req.get("syscr")), lk.get("us_per_key"),
+                     f"{fl.get('returned_wrong', '-')}/{fl.get('missed', '-')}/{fl.get('flipped', '-')}"])
+    out = [report.table(["tier", "KiB/tok", "store GB/s", "load GB/s", "found after restart", "objects/prefix",
+                         "load reqs/prefix", "lookup us/key", "flip wrong/missed/flipped"], rows,
+                        title=f"vLLM tiers side by side ({res['machine']['host']}, {res['machine']['fs']})")]
+    if res["churn"]:
+        out.append(report.table(["tier", "capacity MiB", "written MiB", "on disk MiB", "disk/capacity"],
+                                [[c["tier"], c["capacity_bytes"] / MiB, c["written_bytes"] / MiB,
+                                  c["disk_bytes"] / MiB, c["disk_over_capacity"]] for c in res["churn"]],
+                                title="churn"))
+    if res["targets"]:
+        out.append(report.table(["ours", "vLLM", "KiB/tok", "load x", "store x", "GETs fewer x"],
+                                [[t["ours"], t["vllm"], t["kib_per_token"], t["load_ratio"], t["store_ratio"],
+                                  t.get("get_requests_fewer_x")] for t in res["targets"]], title="ratios (medians)"))
+    return "\n\n".join(out)
+
+
+def _span(r: dict[str, float] | None) -> str:
+    return "-" if r is None else f"{r['median']:.3g} ({r['min']:.3g}-{r['max']:.3g})"
