@@ -4,8 +4,10 @@ Every backend reads and writes *extents*: a run of caller buffers that maps to o
 byte range of a file, issued as one request (one ``pwritev``/``preadv`` or one NIXL descriptor
 list), never a loop per block.
 
-* ``NixlIO``   NIXL's POSIX backend (io_uring) on O_DIRECT file descriptors. Page-aligned
+* ``NixlIO``   NIXL's POSIX backend (io_uring) on O_DIRECT file descriptors for writes. Page-aligned
   caller buffers go straight to the device; DRAM registration is per transfer (about 7 us here).
+  Reads are a blocking ``preadv`` on the same descriptors (``NixlIO.nixl_reads``): a restore
+  waits on them, and a NIXL read pays its setup and completion polling on top of the device.
 * ``PosixIO(direct=True)``   plain ``os.pwritev``/``os.preadv`` on O_DIRECT descriptors.
 * ``PosixIO(direct=False)``  buffered I/O; durability comes from ``fdatasync``. Used where the
   filesystem refuses O_DIRECT (ramfs, some overlayfs/FUSE mounts), with one warning.
@@ -136,6 +138,12 @@ class NixlIO(PosixIO):
 
     _agent = None
     _agent_lock = threading.Lock()
+    #: reads through NIXL too. Off: a restore waits on its reads, and a NIXL read adds per-transfer
+    #: setup (register, initialize, release, deregister under the agent lock) and completion polling
+    #: by sleeps, whose wake-ups come late on a busy CPU; a blocking preadv wakes when the device is
+    #: done. 2-core dev VM, load average ~15, 15 MiB as 2 MiB reads x 16 threads, medians of 5:
+    #: NIXL 211 ms, preadv 32 ms; one 1 MiB read: 56 vs 6.6 ms (docs/BENCHMARKS.md, "Restore fixed costs").
+    nixl_reads = False
 
     def __init__(self) -> None:
         super().__init__(direct=True)
@@ -211,6 +219,9 @@ class NixlIO(PosixIO):
             super().write(fd, bufs, offset)
 
     def read(self, fd: int, bufs: Sequence[np.ndarray], offset: int) -> None:
+        if not self.nixl_reads:
+            super().read(fd, bufs, offset)
+            return
         try:
             self._xfer("READ", fd, bufs, offset)
         except Exception as e:
