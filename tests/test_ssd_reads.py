@@ -51,6 +51,7 @@ def _nixl_or_skip(tmp_path: Path) -> sio.NixlIO:
 
 def test_nixl_transfers_of_several_threads_overlap_and_split_descriptors(tmp_path: Path, monkeypatch) -> None:
     io = _nixl_or_skip(tmp_path)
+    io.nixl_reads = True
     monkeypatch.setattr(sio, "NIXL_DESC_BYTES", 64 << 10)  # a 1 MiB piece is 16 descriptors
     size = 8 << 20
     data = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
@@ -138,6 +139,7 @@ def test_wait_reports_a_failed_transfer() -> None:
 
 def test_nixl_writes_use_larger_requests_than_reads(tmp_path: Path, monkeypatch) -> None:
     io = _nixl_or_skip(tmp_path)
+    io.nixl_reads = True
     monkeypatch.setattr(sio, "NIXL_DESC_BYTES", 64 << 10)
     monkeypatch.setattr(sio, "NIXL_WRITE_DESC_BYTES", 256 << 10)
     sizes: dict[str, list[int]] = {"WRITE": [], "READ": []}
@@ -158,5 +160,34 @@ def test_nixl_writes_use_larger_requests_than_reads(tmp_path: Path, monkeypatch)
         io.read(fd, [dst], 0)
         assert np.array_equal(dst, src) and io.fallbacks == 0
         assert sizes == {"WRITE": [4], "READ": [16]}
+    finally:
+        io.close_fd(fd)
+
+
+def test_restore_reads_are_one_preadv_without_nixl_transfer_setup(tmp_path: Path, monkeypatch) -> None:
+    """A restore waits on its reads: no NIXL registration, transfer handle or completion polling
+    per read (writes still go through NIXL)."""
+    io = _nixl_or_skip(tmp_path)
+    ops: list[str] = []
+    real = io._ag.initialize_xfer
+
+    def spy(op, *a):
+        ops.append(op)
+        return real(op, *a)
+
+    monkeypatch.setattr(io._ag, "initialize_xfer", spy)
+    preadv_calls = []
+    real_preadv = sio.os.preadv
+    monkeypatch.setattr(sio.os, "preadv", lambda fd, bufs, off: preadv_calls.append(off) or real_preadv(fd, bufs, off))
+    size = 2 << 20
+    src = aligned_buffer(size)
+    src[:] = np.random.default_rng(9).integers(0, 256, size, dtype=np.uint8)
+    fd = io.open(tmp_path / "seg", create=True)
+    try:
+        io.write(fd, [src], 0)
+        dst = aligned_buffer(size)
+        io.read(fd, [dst[:size // 2], dst[size // 2:]], 0)
+        assert np.array_equal(dst, src) and io.fallbacks == 0
+        assert ops == ["WRITE"] and preadv_calls == [0]
     finally:
         io.close_fd(fd)
