@@ -232,7 +232,7 @@ def _gpu_direct(config: TieredKVConfig) -> tuple[DeviceIO, DeviceStagingPool] | 
 
     if not torch.cuda.is_available():
         return None
-    from .tiers.ssd.io import gds_verdict
+    from .tiers.ssd.gds_probe import gds_verdict
 
     if not gds_verdict(config.ssd_dir).available:  # self-test in the SSD directory; logs, sets the gauge
         return None

@@ -107,7 +107,7 @@ def test_no_tier_is_an_error(tmp_path: Path) -> None:
 
 def test_gpu_direct_needs_cuda_and_a_passing_gds_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from dynamo_tiered_kv import factory
-    from dynamo_tiered_kv.tiers.ssd import io as ssd_io
+    from dynamo_tiered_kv.tiers.ssd import gds_probe as ssd_io
 
     cfg = _config(tmp_path, host_capacity_bytes=0)
     if not torch.cuda.is_available():
@@ -132,7 +132,7 @@ def test_gpu_direct_needs_cuda_and_a_passing_gds_probe(tmp_path: Path, monkeypat
 @pytest.mark.gpu
 def test_gpu_direct_round_trip_through_build_store(tmp_path: Path) -> None:
     from dynamo_tiered_kv.tiers.ssd import metrics
-    from dynamo_tiered_kv.tiers.ssd.io import gds_verdict
+    from dynamo_tiered_kv.tiers.ssd.gds_probe import gds_verdict
 
     if not gds_verdict().available:
         pytest.skip(f"GPUDirect Storage not usable here: {gds_verdict().reason}")

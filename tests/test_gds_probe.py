@@ -58,7 +58,7 @@ def cufile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> type[_FakeCuFileA
 
 
 def test_compatibility_mode_is_not_gpudirect(cufile: type[_FakeCuFileAgent], tmp_path: Path) -> None:
-    verdict = ssd_io.probe_gds(tmp_path)
+    verdict = gds_probe.probe_gds(tmp_path)
     assert not verdict.available
     assert verdict.mode == "compat"
     assert "nvidia_fs not loaded" in verdict.reason
@@ -71,7 +71,7 @@ def test_true_gpudirect_needs_the_self_test_on_a_registered_slab(cufile: type[_F
     monkeypatch.setattr(gds_probe, "_NVFS_PATHS", (str(tmp_path),))
     tested: list[Path] = []
     monkeypatch.setattr(gds_probe, "_self_test", lambda dio, where: tested.append(where))
-    verdict = ssd_io.probe_gds(tmp_path / "ssd")
+    verdict = gds_probe.probe_gds(tmp_path / "ssd")
     assert verdict.available and verdict.mode == "gpudirect", verdict
     assert tested == [tmp_path / "ssd"] and (tmp_path / "ssd").is_dir()
     assert json.loads(Path(os.environ[gds_probe.CUFILE_ENV]).read_text())["properties"]["allow_compat_mode"] is False
@@ -80,7 +80,7 @@ def test_true_gpudirect_needs_the_self_test_on_a_registered_slab(cufile: type[_F
         raise OSError(5, "read back different bytes")
 
     monkeypatch.setattr(gds_probe, "_self_test", failing)
-    verdict = ssd_io.probe_gds(tmp_path)
+    verdict = gds_probe.probe_gds(tmp_path)
     assert not verdict.available and verdict.mode == "none" and "self-test" in verdict.reason
 
 
@@ -96,5 +96,5 @@ def test_the_strict_config_keeps_the_operators_settings(tmp_path: Path) -> None:
 
 def test_without_cuda_the_verdict_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    verdict = ssd_io.probe_gds()
+    verdict = gds_probe.probe_gds()
     assert not verdict.available and verdict.mode == "none"

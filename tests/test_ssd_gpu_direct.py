@@ -19,7 +19,7 @@ from dynamo_tiered_kv.testing import make_record, random_key, small_shape
 from dynamo_tiered_kv.tiers.base import ReadRequest
 from dynamo_tiered_kv.tiers.ssd import SSDTier, metrics
 from dynamo_tiered_kv.tiers.ssd.gds import DeviceIO
-from dynamo_tiered_kv.tiers.ssd.io import gds_verdict
+from dynamo_tiered_kv.tiers.ssd.gds_probe import gds_verdict
 
 pytest.importorskip("nixl")
 SHAPE = small_shape(num_layers=2)

@@ -34,7 +34,7 @@ from ..layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from ..staging import StagingPool
 from ..tiers.base import ReadRequest
 from ..tiers.ssd import SSDTier
-from ..tiers.ssd.io import gds_verdict
+from ..tiers.ssd.gds_probe import gds_verdict
 from . import report
 
 

@@ -16,13 +16,26 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import re
 import tempfile
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .io import GdsVerdict, _import_nixl
+from . import metrics
+from .io import _import_nixl
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GdsVerdict:
+    available: bool
+    reason: str
+    mode: str = "none"  # gpudirect (true GPUDirect), compat (cuFile would only copy through the host), none
 
 CUFILE_ENV = "CUFILE_ENV_PATH_JSON"
 _NVFS_PATHS = ("/proc/driver/nvidia-fs", "/sys/module/nvidia_fs")
@@ -117,3 +130,32 @@ def probe(directory: Path | None = None) -> GdsVerdict:
                                  f"{type(e).__name__}: {e}", "none" if nvfs else "compat")
     return GdsVerdict(True, f"GDS_MT round trip through a registered device slab in {where}, compatibility "
                             f"mode forbidden, {nvfs_says}", "gpudirect")
+
+
+def probe_gds(directory: Path | None = None) -> GdsVerdict:
+    """Can NIXL GDS_MT move bytes between GPU memory and files here, without cuFile's compatibility
+    mode? Never raises or hangs; ``gds_probe`` has the details. The caller logs the verdict."""
+    try:
+        return probe(directory)
+    except Exception as e:  # pragma: no cover - the probe catches its own failures
+        return GdsVerdict(False, f"probe failed: {type(e).__name__}: {e}", "none")
+
+
+_GDS: GdsVerdict | None = None
+_GDS_LOCK = threading.Lock()
+
+
+def gds_verdict(directory: Path | None = None) -> GdsVerdict:
+    """Probe GPUDirect Storage once per process (the first caller's ``directory`` holds the
+    self-test file); say loudly when it is not usable."""
+    global _GDS
+    with _GDS_LOCK:
+        if _GDS is None:
+            _GDS = probe_gds(directory)
+            metrics.GDS_AVAILABLE.set(1 if _GDS.available else 0)
+            if _GDS.available:
+                log.info("SSD tier: GPUDirect Storage (%s): %s", _GDS.mode, _GDS.reason)
+            else:
+                log.warning("SSD tier: GPUDirect Storage unavailable (mode %s: %s); GPU blocks take the host-bounce "
+                            "path through staging slabs", _GDS.mode, _GDS.reason)
+        return _GDS

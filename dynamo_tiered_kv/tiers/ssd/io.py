@@ -33,7 +33,6 @@ from pathlib import Path
 import numpy as np
 
 from ...codec import ALIGN
-from . import metrics
 
 log = logging.getLogger(__name__)
 IOV_MAX = 1024
@@ -417,41 +416,3 @@ def select_io(directory: Path, mode: str) -> PosixIO:
             (log.warning if mode == "nixl" else log.info)(
                 "SSD tier: NIXL POSIX unavailable (%s: %s); using O_DIRECT pwritev/preadv", type(e).__name__, e)
     return PosixIO(direct=True)
-
-
-@dataclass(frozen=True)
-class GdsVerdict:
-    available: bool
-    reason: str
-    mode: str = "none"  # gpudirect (true GPUDirect), compat (cuFile would only copy through the host), none
-
-
-def probe_gds(directory: Path | None = None) -> GdsVerdict:
-    """Can NIXL GDS_MT move bytes between GPU memory and files here, without cuFile's compatibility
-    mode? Never raises or hangs; ``gds_probe`` has the details. The caller logs the verdict."""
-    from .gds_probe import probe
-
-    try:
-        return probe(directory)
-    except Exception as e:  # pragma: no cover - the probe catches its own failures
-        return GdsVerdict(False, f"probe failed: {type(e).__name__}: {e}", "none")
-
-
-_GDS: GdsVerdict | None = None
-_GDS_LOCK = threading.Lock()
-
-
-def gds_verdict(directory: Path | None = None) -> GdsVerdict:
-    """Probe GPUDirect Storage once per process (the first caller's ``directory`` holds the
-    self-test file); say loudly when it is not usable."""
-    global _GDS
-    with _GDS_LOCK:
-        if _GDS is None:
-            _GDS = probe_gds(directory)
-            metrics.GDS_AVAILABLE.set(1 if _GDS.available else 0)
-            if _GDS.available:
-                log.info("SSD tier: GPUDirect Storage (%s): %s", _GDS.mode, _GDS.reason)
-            else:
-                log.warning("SSD tier: GPUDirect Storage unavailable (mode %s: %s); GPU blocks take the host-bounce "
-                            "path through staging slabs", _GDS.mode, _GDS.reason)
-        return _GDS

@@ -38,8 +38,9 @@ from . import metrics
 from .eviction import EvictionMixin
 from .flushing import SegmentSourceMixin, SegmentState
 from .gds import DeviceIO, DeviceSpan
+from .gds_probe import GdsVerdict, gds_verdict
 from .index import CompactIndex
-from .io import GdsVerdict, PosixIO, aligned_buffer, as_u8, gds_verdict, select_io, write_extent
+from .io import PosixIO, aligned_buffer, as_u8, select_io, write_extent
 from .quarantine import highest_quarantined_seq, open_regular, quarantine
 from .reads import BOUNCE_BYTES, ReadPathMixin
 from .recovery import fsync_dir, load_tombstones, recover_segments
