@@ -27,6 +27,8 @@ Names (all prefixed ``dtkv_``; ``tier`` is the tier's ``name``):
     restore_bytes_total{tier}        record bytes restores read from each tier
     observability_failures_total{what}  observability set-up that failed while the store kept serving
                                      (port: /metrics port unavailable; collector: not registered)
+    codec_fast_path                  1 when the compiled codec helper is loaded, 0 when CPU-layout
+                                     encode/decode runs on the slower Python path
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ._native import fast
 from .tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -110,13 +113,16 @@ class StoreMetrics:
                                                buckets=_LATENCY_BUCKETS, registry=r)
         self.restore_bytes = Counter("dtkv_restore_bytes", "record bytes restores read, by tier", ["tier"],
                                      registry=r)
+        self.codec_fast_path = Gauge("dtkv_codec_fast_path", "1 when the compiled codec helper is loaded",
+                                     registry=r)
+        self.codec_fast_path.set(float(fast.AVAILABLE))
         self._tiers = list(tiers)
         usage = _UsageCollector(lambda: self._tiers)
         r.register(usage)
         self._own = [self.hits, self.misses, self.read_bytes, self.written_bytes, self.read_seconds,
                      self.write_seconds, self.errors, self.checksum_failures, self.lookup_blocks,
                      self.offload_blocks, self.offload_dropped, self.load_failed_blocks, self.observability_failures,
-                     self.restore_stage_seconds, self.restore_bytes, usage]
+                     self.restore_stage_seconds, self.restore_bytes, self.codec_fast_path, usage]
         self._server = None
 
     def observe_restore(self, st: LoadStages) -> None:

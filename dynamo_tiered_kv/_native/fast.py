@@ -14,50 +14,41 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 try:
-    import xxhash._xxhash as _xxmod
-
     from . import _fastcodec  # type: ignore[attr-defined]
 
     _lib = ctypes.CDLL(_fastcodec.__file__)
-    _xx = ctypes.CDLL(_xxmod.__file__)
-    XXH3 = ctypes.cast(_xx.XXH3_64bits, ctypes.c_void_p).value
     _i64, _p = ctypes.c_int64, ctypes.c_void_p
-    _lib.dtkv_gather_hash.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _p, _i64, _i64, _p]
+    _lib.dtkv_xxh3_64.argtypes = [_p, ctypes.c_size_t]
+    _lib.dtkv_xxh3_64.restype = ctypes.c_uint64
+    _lib.dtkv_gather_hash.argtypes = [_p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _p, _i64, _i64, _p]
     _lib.dtkv_gather_hash.restype = ctypes.c_int
-    _lib.dtkv_verify_scatter.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _p]
+    _lib.dtkv_verify_scatter.argtypes = [_p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _p]
     _lib.dtkv_verify_scatter.restype = ctypes.c_int64
-    _lib.dtkv_decode_batch.argtypes = [
-        _p,
-        _p,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _p,
-        _i64,
-        _i64,
-        _p,
-        _p,
-        _p,
-        _p,
-        _p,
-        _i64,
-        _p,
-    ]
+    _lib.dtkv_decode_batch.argtypes = [_p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _i64, _p, _p, _p, _p, _p, _i64, _p]
     _lib.dtkv_decode_batch.restype = None
-    _lib.dtkv_decode_ptrs.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _p, _p, _p, _p, _p, _i64, _p]
+    _lib.dtkv_decode_ptrs.argtypes = [_p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _p, _p, _p, _p, _p, _i64, _p]
     _lib.dtkv_decode_ptrs.restype = None
     AVAILABLE = True
-except (ImportError, OSError, AttributeError) as e:  # no compiler at install time, or odd xxhash build
-    log.debug("compiled codec helpers unavailable (%s); using the Python path", e)
+    UNAVAILABLE_REASON = ""
+except (ImportError, OSError, AttributeError) as e:  # no compiler at install time, or a broken build
     AVAILABLE = False
+    UNAVAILABLE_REASON = f"{type(e).__name__}: {e}"
+    # Loud on purpose: the Python path is several times slower per block, which shows up as
+    # slower saves and restores rather than as an error (gauge dtkv_codec_fast_path is 0).
+    log.warning("compiled codec helper _fastcodec unavailable (%s); CPU-layout encode/decode uses the "
+                "slower Python path. Reinstall with a C compiler present to build it.", UNAVAILABLE_REASON)
+
+
+def xxh3_64(data: bytes | np.ndarray) -> int:
+    """XXH3-64 (seed 0) as the compiled helpers compute it; equal to ``xxhash.xxh3_64_intdigest``."""
+    buf = np.frombuffer(data, np.uint8) if isinstance(data, bytes) else np.ascontiguousarray(data).view(np.uint8)
+    return int(_lib.dtkv_xxh3_64(buf.ctypes.data, buf.nbytes))
 
 
 class LayerTable:
     """Engine layer geometry in the form the C helpers take (built once per layout).
 
-    ``geom`` is the argument run every helper starts with after the hash function: the layer
+    ``geom`` is the argument run every helper starts with: the layer
     pointer table, layer count, planes per layer, block stride, plane stride, plane bytes.
     """
 
@@ -82,7 +73,6 @@ def gather_hash(
 ) -> None:
     """Gather ``block_ids`` into records at ``record_bytes`` stride; per-layer XXH3 into ``sums``."""
     _lib.dtkv_gather_hash(
-        XXH3,
         *t.geom,
         block_ids.ctypes.data,
         len(block_ids),
@@ -95,7 +85,7 @@ def gather_hash(
 
 def verify_scatter(t: LayerTable, block_id: int, payload: np.ndarray, sums: np.ndarray) -> int:
     """-1 if every layer verified and was copied, else the first failing layer."""
-    return int(_lib.dtkv_verify_scatter(XXH3, *t.geom, block_id, payload.ctypes.data, sums.ctypes.data))
+    return int(_lib.dtkv_verify_scatter(*t.geom, block_id, payload.ctypes.data, sums.ctypes.data))
 
 
 MAX_LAYERS = 1024  # DTKV_MAX_FAST_LAYERS in fastcodec.c; larger models take the Python path
@@ -118,7 +108,6 @@ def decode_batch(
 ) -> None:
     """Verify and scatter records laid back to back; fills ``status`` with the codes above."""
     _lib.dtkv_decode_batch(
-        XXH3,
         *t.geom,
         records.ctypes.data,
         record_bytes,
@@ -146,7 +135,6 @@ def decode_ptrs(
 ) -> None:
     """``decode_batch`` over records at the addresses ``ptrs`` (uint64), e.g. read in place."""
     _lib.dtkv_decode_ptrs(
-        XXH3,
         *t.geom,
         ptrs.ctypes.data,
         header_bytes,

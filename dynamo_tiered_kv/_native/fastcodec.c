@@ -2,9 +2,9 @@
  *
  * Called through ctypes (which releases the GIL for the whole call), once per batch of blocks,
  * so the per-layer Python overhead of the pure-Python codec path disappears. The checksum
- * function (XXH3-64, seed 0) is passed in as a pointer taken from the `xxhash` package's own
- * shared library, so this file needs no headers beyond libc and hashes exactly what the
- * Python path hashes.
+ * (XXH3-64, seed 0) comes from the vendored single-header xxHash (xxhash.h, BSD-2), inlined
+ * here: no symbol of another package's private library is needed, and the bytes hashed are
+ * the ones the Python path hashes with `xxhash.xxh3_64` (tests/test_native_fastcodec.py).
  *
  * Geometry (docs/FORMAT.md): record i at dst + i*record_bytes; layer j of its payload at
  * header_bytes + j*layer_bytes, made of `planes` parts of plane_bytes. Engine layer j: base
@@ -16,10 +16,13 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#define XXH_INLINE_ALL /* every xxHash function static and inlined: nothing exported, no clash */
+#include "xxhash.h"
 
-typedef uint64_t (*xxh3_fn)(const void *, size_t);
+/* Exported only so tests can compare this build's hash with the Python package's. */
+uint64_t dtkv_xxh3_64(const void *p, size_t n) { return XXH3_64bits(p, n); }
 
-int dtkv_gather_hash(xxh3_fn xxh3, const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
+int dtkv_gather_hash(const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
                      int64_t block_stride, int64_t plane_stride, int64_t plane_bytes,
                      const int64_t *block_ids, int64_t n, uint8_t *dst, int64_t record_bytes,
                      int64_t header_bytes, uint64_t *sums /* n * num_layers */) {
@@ -31,7 +34,7 @@ int dtkv_gather_hash(xxh3_fn xxh3, const uint64_t *layer_ptrs, int64_t num_layer
             uint8_t *out = rec + j * layer_bytes;
             for (int64_t p = 0; p < planes; p++)
                 memcpy(out + p * plane_bytes, src + p * plane_stride, (size_t)plane_bytes);
-            sums[i * num_layers + j] = xxh3(out, (size_t)layer_bytes); /* still in cache */
+            sums[i * num_layers + j] = XXH3_64bits(out, (size_t)layer_bytes); /* still in cache */
         }
     }
     return 0;
@@ -72,13 +75,13 @@ static void copy_done(void) {
 #endif
 }
 
-static int64_t verify_scatter(xxh3_fn xxh3, const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
+static int64_t verify_scatter(const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
                               int64_t block_stride, int64_t plane_stride, int64_t plane_bytes, int64_t block_id,
                               const uint8_t *payload, const uint64_t *sums) {
     const int64_t layer_bytes = planes * plane_bytes;
     for (int64_t j = 0; j < num_layers; j++) {
         const uint8_t *src = payload + j * layer_bytes;
-        if (xxh3(src, (size_t)layer_bytes) != sums[j]) /* hashing pulls the layer into cache */
+        if (XXH3_64bits(src, (size_t)layer_bytes) != sums[j]) /* hashing pulls the layer into cache */
             return j;
         uint8_t *dst = (uint8_t *)(uintptr_t)layer_ptrs[j] + block_id * block_stride;
         if (plane_stride == plane_bytes)
@@ -92,10 +95,10 @@ static int64_t verify_scatter(xxh3_fn xxh3, const uint64_t *layer_ptrs, int64_t 
 
 /* Returns -1 when every layer verified and was copied, else the first layer whose checksum
  * failed (layers before it were verified and copied; nothing unverified is copied). */
-int64_t dtkv_verify_scatter(xxh3_fn xxh3, const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
+int64_t dtkv_verify_scatter(const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
                             int64_t block_stride, int64_t plane_stride, int64_t plane_bytes, int64_t block_id,
                             const uint8_t *payload, const uint64_t *sums) {
-    int64_t r = verify_scatter(xxh3, layer_ptrs, num_layers, planes, block_stride, plane_stride, plane_bytes,
+    int64_t r = verify_scatter(layer_ptrs, num_layers, planes, block_stride, plane_stride, plane_bytes,
                                block_id, payload, sums);
     copy_done();
     return r;
@@ -111,7 +114,7 @@ enum { DTKV_OK = -1, DTKV_BAD_MAGIC = -2, DTKV_BAD_VERSION = -3, DTKV_HEADER_COR
  * read in place, e.g. from the host tier's arena). `expect_desc` is the 56-byte layout descriptor
  * (record bytes [64, 120)) the engine needs; byte 66 (the writer's engine layout) may differ.
  * `keys` holds n 16-byte keys. status[i]: DTKV_OK, a negative code above, or the first bad layer. */
-static void decode_records(xxh3_fn xxh3, const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
+static void decode_records(const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
                            int64_t block_stride, int64_t plane_stride, int64_t plane_bytes,
                            const uint8_t *records, int64_t record_bytes, const uint64_t *ptrs, int64_t header_bytes,
                            const uint8_t *expect_prefix, const uint8_t *expect_desc, const uint8_t *namespace_,
@@ -130,7 +133,7 @@ static void decode_records(xxh3_fn xxh3, const uint64_t *layer_ptrs, int64_t num
         memcpy(scratch, rec, 120);
         memcpy(scratch + 120, rec + 128, table_bytes);
         memcpy(&stored, rec + 120, 8);
-        if (xxh3(scratch, 120 + table_bytes) != stored) { status[i] = DTKV_HEADER_CORRUPT; continue; }
+        if (XXH3_64bits(scratch, 120 + table_bytes) != stored) { status[i] = DTKV_HEADER_CORRUPT; continue; }
         if (memcmp(rec + 12, expect_prefix + 12, 4) != 0) { status[i] = DTKV_LAYOUT; continue; } /* header_bytes */
         if (memcmp(rec + 16, namespace_, 16) != 0) { status[i] = DTKV_NAMESPACE; continue; }
         if (memcmp(rec + 32, keys + 16 * i, 16) != 0) { status[i] = DTKV_KEY; continue; }
@@ -138,29 +141,29 @@ static void decode_records(xxh3_fn xxh3, const uint64_t *layer_ptrs, int64_t num
             status[i] = DTKV_LAYOUT; continue;
         }
         memcpy(sums, rec + 128, table_bytes);
-        status[i] = verify_scatter(xxh3, layer_ptrs, num_layers, planes, block_stride, plane_stride,
+        status[i] = verify_scatter(layer_ptrs, num_layers, planes, block_stride, plane_stride,
                                    plane_bytes, block_ids[i], rec + header_bytes, sums);
     }
     copy_done();
 }
 
-void dtkv_decode_batch(xxh3_fn xxh3, const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
+void dtkv_decode_batch(const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
                        int64_t block_stride, int64_t plane_stride, int64_t plane_bytes,
                        const uint8_t *records, int64_t record_bytes, int64_t header_bytes,
                        const uint8_t *expect_prefix /* 16 bytes: magic, version, flags, header_bytes */,
                        const uint8_t *expect_desc, const uint8_t *namespace_, const uint8_t *keys,
                        const int64_t *block_ids, int64_t n, int64_t *status) {
-    decode_records(xxh3, layer_ptrs, num_layers, planes, block_stride, plane_stride, plane_bytes, records,
+    decode_records(layer_ptrs, num_layers, planes, block_stride, plane_stride, plane_bytes, records,
                    record_bytes, NULL, header_bytes, expect_prefix, expect_desc, namespace_, keys, block_ids, n,
                    status);
 }
 
-void dtkv_decode_ptrs(xxh3_fn xxh3, const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
+void dtkv_decode_ptrs(const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
                       int64_t block_stride, int64_t plane_stride, int64_t plane_bytes, const uint64_t *ptrs,
                       int64_t header_bytes, const uint8_t *expect_prefix, const uint8_t *expect_desc,
                       const uint8_t *namespace_, const uint8_t *keys, const int64_t *block_ids, int64_t n,
                       int64_t *status) {
-    decode_records(xxh3, layer_ptrs, num_layers, planes, block_stride, plane_stride, plane_bytes, NULL, 0, ptrs,
+    decode_records(layer_ptrs, num_layers, planes, block_stride, plane_stride, plane_bytes, NULL, 0, ptrs,
                    header_bytes, expect_prefix, expect_desc, namespace_, keys, block_ids, n, status);
 }
 
