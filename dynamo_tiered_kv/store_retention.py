@@ -109,16 +109,16 @@ class RetentionOps:
         self._record_nbytes = nbytes
 
     # --- prefetch -------------------------------------------------------------------------------
-    def prefetch(self, keys: Sequence[BlockKey], *, into: int = 0) -> bool:
-        """Queue promotion of the leading present ``keys`` into tier ``into``. False: dropped."""
+    def prefetch(self, keys: Sequence[BlockKey], *, into: int = 0) -> None:
+        """Queue promotion of the leading present ``keys`` into tier ``into``; never waits (a full
+        queue drops it, ``prefetch_stats.dropped``)."""
         keys = list(keys)
         try:
-            fut = asyncio.run_coroutine_threadsafe(self._enqueue_prefetch(keys, into), self._loop)
-            return bool(fut.result(5.0))
-        except (RuntimeError, TimeoutError):
-            return False
+            self._loop.call_soon_threadsafe(self._enqueue_prefetch, keys, into)
+        except RuntimeError:  # the store closed
+            self.prefetch_stats.dropped += 1
 
-    async def _enqueue_prefetch(self, keys: list[BlockKey], into: int) -> bool:
+    def _enqueue_prefetch(self, keys: list[BlockKey], into: int) -> bool:
         if self._prefetch_q is None:
             self._prefetch_q = asyncio.Queue(PREFETCH_QUEUE)
             self._bg_tasks.append(asyncio.ensure_future(self._prefetch_worker()))  # stopped on close
@@ -211,13 +211,20 @@ class RetentionOps:
             await asyncio.sleep(0.005)
 
     # --- demote ---------------------------------------------------------------------------------
-    def demote(self, keys: Sequence[BlockKey]) -> int:
-        """Release ``keys``' protection and move their host blocks to the next tier (synchronous).
-        Returns how many left the host tier."""
-        if len(self.tiers) < 2:
-            return 0
+    def demote(self, keys: Sequence[BlockKey], *, wait: bool = True) -> int:
+        """Release ``keys``' protection and move their host blocks to the next tier. Returns how
+        many left the host tier (``wait=False``: queued on the loop, returns 0 at once)."""
         for ti in range(len(self.tiers)):
             self.retention_of(ti).release(keys)
+        if len(self.tiers) < 2 or self.tiers[0].capabilities.medium != "host":
+            return 0
+        if not wait:
+            coro = self._demote(list(keys))
+            try:
+                asyncio.run_coroutine_threadsafe(coro, self._loop)
+            except RuntimeError:  # the store closed
+                coro.close()
+            return 0
         return int(self._call(self._demote(list(keys)), timeout=60.0))
 
     async def _demote(self, keys: list[BlockKey]) -> int:

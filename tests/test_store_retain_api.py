@@ -115,3 +115,23 @@ def test_prefetch_never_evicts_protected_blocks(pool: StagingPool, tmp_path: Pat
         store.prefetch_now(cold)
         assert all(store.tiers[0].contains(k) for k in hot)
         assert store.prefetch_stats.stopped_protected == 1
+
+
+@pytest.mark.parametrize("hinted", [True, False])
+def test_a_retained_session_is_restored_whole_after_a_flood(pool: StagingPool, tmp_path: Path, hinted: bool) -> None:
+    """Every tier far smaller than the traffic: the retained session's prefix still restores whole
+    (its protected bytes fit the bound); without the hint recency evicts it somewhere."""
+    clock = Clock()
+    tiers = [HostTier(16 * REC, chunk_bytes=REC, pin=False),
+             SSDTier(tmp_path / "ssd", capacity_bytes=48 * REC, segment_bytes=64 << 10, idle_seal_s=None),
+             ObjectTier(LocalDirBackend(tmp_path / "obj"), capacity_bytes=40 * REC, ttl_s=None)]
+    with TieredStore(tiers, NS, pool, write_depth=3, clock=clock) as store:
+        session = keys_for(12, start=7)
+        if hinted:
+            store.retain(session, BlockRetention(50, clock.t + 7200))
+        _offload(store, session)
+        for r in range(20):  # other sessions: 160 blocks through tiers of 16-48
+            clock.t += 60
+            _offload(store, keys_for(8, start=1000 + r * 8 * 16))
+        res = store.load(make_layout(13), list(range(1, 13)), session)
+        assert (len(res.loaded_block_ids) == 12) is hinted

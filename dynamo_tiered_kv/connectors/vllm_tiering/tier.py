@@ -21,8 +21,9 @@ Contract kept (vLLM's ``SecondaryTierManager`` runs on the scheduler thread, und
 * ``drain_jobs`` waits for our jobs; ``shutdown`` waits for them, then closes the store, which
   writes every accepted chunk, seals the open segment and lets the flusher upload (bounded by
   ``close_flush_timeout_s``); what is sealed but not uploaded by then is uploaded at next start.
-* Hints: a request's ``kv_hints`` envelope is kept on its context (``RequestHints``) for the
-  retention policy; nothing acts on it yet.
+* Hints: a request's ``kv_hints`` envelope is kept on its context (``RequestHints``); its
+  ``kv.retain`` directives give the chunks it stores or looks up their retention class in the
+  store, and a session's final request demotes its chunks (``session_hints``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from .events import TierEvents
 from .jobs import JobRunner
 from .key_mapping import block_keys, engine_model_id, namespace_for
 from .primary import primary_layout
+from .session_hints import HintApplier
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -121,6 +123,7 @@ class DynamoTieredKVTier(SecondaryTierManager):
         self._failed: OrderedDict[BlockKey, None] = OrderedDict()
         self.store = build_store(self.config, self.namespace, rank=rank)
         self.store.set_residency(self)
+        self._hints = HintApplier(self.store, _chunk_tokens(offloading_spec))
         self._jobs = JobRunner(self.options.job_threads, f"dtkv-{tier_type}")
         self._closed = False
         log.info("vLLM secondary tier %s: %s, chunk %d bytes, namespace %s", tier_type,
@@ -142,6 +145,7 @@ class DynamoTieredKVTier(SecondaryTierManager):
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         (bk,) = block_keys(self.namespace, (key,))
+        self._hints.on_keys(req_context, (key,), (bk,))
         with self._lock:
             if bk in self._failed:
                 return LookupResult.MISS
@@ -160,6 +164,7 @@ class DynamoTieredKVTier(SecondaryTierManager):
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
         bks = block_keys(self.namespace, keys)
+        self._hints.on_keys(job_metadata.req_context, keys, bks)
         if self._events is not None:
             self._events.remember(bks, keys)
         with self._lock:
@@ -193,7 +198,12 @@ class DynamoTieredKVTier(SecondaryTierManager):
         hints = getattr(req_context, "kv_hints", None)
         if hints is not None:
             req_context.set_state(RequestHints(hints))
+        self._hints.on_new_request(req_context)
         return RequestOffloadingContext()
+
+    @override
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._hints.on_request_finished(req_context)
 
     @override
     def drain_jobs(self) -> None:
@@ -271,3 +281,11 @@ def open_tier(settings: Mapping[str, Any], primary_kv_view: memoryview, offloadi
     """Build the tier as vLLM's factory would (for benches and tools): ``settings`` are the keys of
     a ``secondary_tiers`` entry; without ``offloading_spec``, ``model_id`` must name the model."""
     return DynamoTieredKVTier(offloading_spec, primary_kv_view, tier_type, **dict(settings))
+
+
+def _chunk_tokens(spec: Any) -> int | None:
+    """Tokens per offloaded chunk (a chunk's end position over this is its index), None unknown."""
+    try:
+        return int(spec.tokens_per_block[0]) * int(spec.blocks_per_chunk)
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return None
