@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ...config import TieredKVConfig
+from ...errors import LayoutMismatch
 from ...factory import build_store, check_record_fits
 from ...keys import ROOT_KEY, Namespace, engine_block_key
 from ...layout import EngineLayout
@@ -73,7 +74,12 @@ class WorkerRole:
         self._pacer: StepShare | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        layout = _detect_layout(kv_caches, self.block_size, self.num_kv_heads, self.head_size, self.is_mla)
+        try:
+            layout = _detect_layout(kv_caches, self.block_size, self.num_kv_heads, self.head_size, self.is_mla)
+        except LayoutMismatch as e:  # the engine runs on without tiering: no store, loads fail-safe, no saves
+            log.error("TieredKVConnector disabled on this worker: KV cache layout not supported (%s); "
+                      "every prefix is recomputed", e)
+            return
         if not layout.is_cuda:
             request_amx_tiles()  # before the engine's first forward (see cpu_amx.py)
             share = self.config.restore_cpu_share
