@@ -3,8 +3,9 @@ scattered on the calling thread, several chunks in flight.
 
 * A load is cut into chunks: a small first one (decode starts after ~1 MiB has arrived, not a
   whole chunk), then ``load_chunk_bytes`` each; a load of at most one chunk is one chunk (nothing
-  to overlap a small first chunk with). Up to ``load_depth`` chunks are read ahead, each
-  into its own staging slab taken without waiting (one slab is left free for offloads).
+  to overlap a small first chunk with), read on the calling thread where its tier can
+  (``read_slab_now``: no hand-offs between threads). Up to ``load_depth`` chunks are read ahead,
+  each into its own staging slab taken without waiting (one slab is left free for offloads).
 * Within a chunk, every run of blocks whose fastest tier is the same is cut into up to the
   tier's read parallelism pieces (``read_parallelism``, or the object tier's ``max_concurrency``)
   read concurrently with one ``read_many`` each; one wake-up of the caller per chunk.
@@ -204,6 +205,9 @@ class ChunkReads:
             if (only is not None and in_place_ok and not isinstance(slab, DeviceSlab)
                     and getattr(self.tiers[only], "reads_in_place", False)):
                 inflight.append(ChunkRead(next_i, end, slab, None, Handoff(), in_place=only))
+            elif (only is not None and next_i == 0 and end == n and isinstance(slab, Slab)
+                  and hasattr(self.tiers[only], "read_slab_now")):
+                inflight.append(self._read_now(slab, rb, n, keys, only))
             else:
                 inflight.append(self._start_read(slab, rb, next_i, end, keys[next_i:end],
                                                  frugal=pacer is not None and pacer.limiting()))
@@ -380,6 +384,32 @@ class ChunkReads:
                     keys: Sequence[BlockKey], frugal: bool = False) -> ChunkRead:
         rd = ChunkRead(start, end, slab, None, Handoff(), frugal=frugal)
         rd.fut = asyncio.run_coroutine_threadsafe(self._read_into_slab(rd, rb, keys), self._loop)
+        return rd
+
+    def _read_now(self, slab: Slab, rb: int, n: int, keys: Sequence[BlockKey], ti: int) -> ChunkRead:
+        """A load that is one chunk from one tier, read on the calling thread (the tier's
+        ``read_slab_now``): no hand-off to the loop, an I/O thread and back, each a wake-up that
+        comes late on a busy CPU. Its bound is the read itself (one request of at most a chunk)."""
+        tier = self.tiers[ti]
+        rd = ChunkRead(0, n, slab, None, Handoff())
+        t0 = time.perf_counter()
+        try:
+            results = tier.read_slab_now(keys[:n], slab.array[:n * rb], rb)  # type: ignore[attr-defined]
+        except Exception as e:
+            self.metrics.errors.labels(tier.name, "read").inc()
+            log.warning("read of %d blocks from tier %s failed: %s", n, tier.name, e)
+            results = []
+        t1 = time.perf_counter()
+        got = next((j for j, r in enumerate(results) if r is None or r < rb), len(results))
+        self.metrics.read_seconds.labels(tier.name).observe(t1 - t0)
+        self.metrics.read_bytes.labels(tier.name).inc(got * rb)
+        if got < n:
+            self.metrics.misses.labels(tier.name).inc(n - got)
+        rd.spans[ti] = [(t0, t1)]
+        rd.nbytes[ti] = got * rb
+        rd.hand.done = True  # nothing reads into the slab any more
+        rd.fut = concurrent.futures.Future()
+        rd.fut.set_result([ti] * got + [None] * (n - got))
         return rd
 
     def _finish_read(self, rd: ChunkRead, timeout: float | None) -> list[int | None] | None:

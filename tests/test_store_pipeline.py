@@ -105,6 +105,40 @@ def test_a_load_of_at_most_one_chunk_is_one_chunk_and_one_ssd_read(pool: Staging
     _all_slabs_back(pool)
 
 
+def test_a_one_chunk_ssd_load_reads_on_the_calling_thread(pool: StagingPool, tmp_path) -> None:
+    """No hand-off to the store's loop and an I/O thread and back for a small restore; a load of
+    several chunks still reads on the loop (read-ahead overlapping verify+scatter)."""
+    from dynamo_tiered_kv.tiers.ssd import SSDTier
+
+    ssd = SSDTier(tmp_path / "ssd", capacity_bytes=64 * REC, segment_bytes=64 * REC, io="odirect")
+    store, src, keys = _filled([ssd], pool, 12, load_chunk_bytes=8 * REC, load_first_chunk_bytes=2 * REC)
+    threads: list[tuple[str, threading.Thread]] = []
+    now, later = ssd.read_slab_now, ssd.read_slab
+
+    def spy_now(*a):
+        threads.append(("now", threading.current_thread()))
+        return now(*a)
+
+    async def spy_later(*a):
+        threads.append(("loop", threading.current_thread()))
+        return await later(*a)
+
+    ssd.read_slab_now, ssd.read_slab = spy_now, spy_later  # type: ignore[method-assign]
+    with store:
+        dst = make_layout(64)
+        res = store.load(dst, list(range(30, 36)), keys[:6], timeout=10)
+        assert res.loaded_block_ids == list(range(30, 36)) and res.tier_per_block == ["ssd"] * 6
+        for s, d in zip(range(1, 7), range(30, 36), strict=True):
+            assert block_bytes(src, s) == block_bytes(dst, d)
+        assert threads == [("now", threading.current_thread())]
+        assert res.stages.read_bytes == {"ssd": 6 * REC} and res.stages.read_s["ssd"] > 0
+        threads.clear()
+        res = store.load(dst, list(range(40, 52)), keys, timeout=10)  # 12 blocks: three chunks
+        assert res.loaded_block_ids == list(range(40, 52))
+        assert threads and all(w == "loop" and t is not threading.current_thread() for w, t in threads)
+    _all_slabs_back(pool)
+
+
 def test_tier_read_parallelism_bounds_reads_in_flight_across_chunks(pool: StagingPool, monkeypatch) -> None:
     ssd = PieceTier("ssd", 64 * REC)
     ssd.read_parallelism = 2  # type: ignore[misc]

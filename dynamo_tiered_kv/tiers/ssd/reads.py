@@ -98,6 +98,18 @@ class ReadPathMixin:
                 self._release([op[0] for op in ops])
         return results
 
+    def read_slab_now(self, keys: Sequence[BlockKey], dest: np.ndarray, rb: int) -> list[int | None]:
+        """``read_slab`` on the calling thread (blocking): for a restore of one chunk, where handing
+        the read to the store's loop and an I/O thread and back costs more than the read itself."""
+        results: list[int | None] = [None] * len(keys)
+        ops = self._plan_slab(keys, rb)
+        if ops:
+            try:
+                self._execute_slab(ops, keys, dest, rb, results)
+            finally:
+                self._release([op[0] for op in ops])
+        return results
+
     def _plan_slab(self, keys: Sequence[BlockKey], rb: int) -> list[tuple[SegmentState, int, int, int]]:
         """(segment, file offset, rb, slot) per hit, in slot order; takes a reader ref on each segment."""
         ops = []
