@@ -92,6 +92,9 @@ class TieredKVConfig(BaseSettings):
     admission: Literal["always", "second_hit"] = "always"
     min_prefix_blocks: int = Field(1, ge=1, description="only offload prefixes at least this long")
     max_pending_offloads: int = Field(64, ge=1, description="queued offload batches before dropping")
+    retain_max_share: float = Field(
+        0.5, ge=0, le=1, description="share of each tier kv.retain may protect; beyond it the lowest priority yields"
+    )
     load_timeout_s: float = Field(30.0, gt=0, description="deadline of one restore; blocks not restored are recomputed")
     load_async: bool = Field(
         True, description="restore in the background while the batch keeps decoding (vLLM WAITING_FOR_REMOTE_KVS)"
