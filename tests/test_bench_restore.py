@@ -165,6 +165,7 @@ def test_restore_size_sweep_rows_and_table():
         sess["sweep_raw"] = {"256": [0.004, 0.004]}
         for rnd in sess["rounds"]:
             rnd["sweep:256"] = {"ttft_ms": 100.0 + ovh, "cached_tokens": 128, "engine_wait_ms": wait,
+                                "load_hook_ms": 18.0,
                                 "restore_reports": [rep] if rep else [], "stages": None}
             rnd["sweep_resident:256"] = {"ttft_ms": 100.0}
     res["summary"] = report.summarize(res)
@@ -173,6 +174,7 @@ def test_restore_size_sweep_rows_and_table():
     assert small["overhead_ratio_raw"] == pytest.approx(12.0 / 4.0)
     assert small["engine_wait_ratio_raw"] == pytest.approx(9.0 / 4.0)
     assert small["example_over_ours_overhead"] == pytest.approx(30.0 / 12.0)
+    assert small["example_over_ours_wait"] == pytest.approx(18.0 / 9.0)  # its load hooks / our wait
     assert (small["sync"], small["restores"]) == (2, 2)  # one synchronous restore per round
     # the context size is the long prompt itself: its overhead is long - resident, its raw the long raw
     assert big["overhead_ms"] == pytest.approx(50.0) and big["raw_ms"] == pytest.approx(50.0)

@@ -127,6 +127,8 @@ def sweep_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     for size in res.get("sizes") or []:
         k, kr = _size_keys(res, size)
         ex_ovh = _size_overhead(ex, k, kr) if ex else None
+        # ExampleConnector restores synchronously in its load hooks: that is its restore wait
+        ex_wait = _med([r[k]["load_hook_ms"] for r in ex["rounds"] if k in r]) if ex else None
         for tier in TIERS:
             s = sess.get(tier)
             if not s or not s["rounds"] or k not in s["rounds"][0]:
@@ -145,6 +147,7 @@ def sweep_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
                 "engine_wait_ratio_raw": wait / raw_ms if wait and raw_ms else None,
                 "example_overhead_ms": ex_ovh,
                 "example_over_ours_overhead": ex_ovh / ovh if ex_ovh and ovh and ovh > 0 else None,
+                "example_wait_ms": ex_wait, "example_over_ours_wait": ex_wait / wait if ex_wait and wait else None,
                 "sync": sum(bool(x.get("sync")) for x in reps), "restores": len(reps),
                 "steps_pending": _med([x["steps"] for x in reps if not x.get("sync") and x.get("steps") is not None]),
                 "store_total_ms": st["total_ms"] if st else None, "chunks": st["chunks"] if st else None})
@@ -157,17 +160,18 @@ def format_sweep(res: dict[str, Any]) -> list[str]:
         return []
     lines = ["", "size sweep (same sessions; medians of the rounds): overhead = TTFT restored - TTFT from vLLM's "
              "prefix cache; in engine: the request's wait for its restore; Ex/ours: ExampleConnector's cold "
-             "overhead / ours; sync: restores run synchronously in their step; steps: engine steps an async "
-             "restore was pending",
+             "overhead / ours, and its load hooks / our wait in the engine (wait); sync: restores run "
+             "synchronously in their step; steps: engine steps an async restore was pending",
              f"{'tier':<7} {'size':>6} {'restored':>8} {'raw ms':>7} {'overhead':>8} {'ovh/raw':>7} "
              f"{'in engine':>9} {'/raw':>6} {'store':>6} {'chunks':>6} {'Ex ovh':>7} {'Ex/ours':>7} "
-             f"{'sync':>5} {'steps':>5}"]
+             f"{'Ex hooks':>8} {'(wait)':>6} {'sync':>5} {'steps':>5}"]
     for r in rows:
         lines.append(f"{r['tier']:<7} {r['size']:>6} {_f(r['restored_tokens'], '.0f'):>8} {_f(r['raw_ms']):>7} "
                      f"{_f(r['overhead_ms']):>8} {_f(r['overhead_ratio_raw'], '.2f'):>6}x "
                      f"{_f(r['engine_wait_ms']):>9} {_f(r['engine_wait_ratio_raw'], '.2f'):>5}x "
                      f"{_f(r['store_total_ms']):>6} {_f(r['chunks'], '.0f'):>6} {_f(r['example_overhead_ms']):>7} "
-                     f"{_f(r['example_over_ours_overhead'], '.2f'):>6}x {r['sync']:>2}/{r['restores']:<2} "
+                     f"{_f(r['example_over_ours_overhead'], '.2f'):>6}x {_f(r['example_wait_ms']):>8} "
+                     f"{_f(r['example_over_ours_wait'], '.2f'):>5}x {r['sync']:>2}/{r['restores']:<2} "
                      f"{_f(r['steps_pending'], '.0f'):>5}")
     return lines
 
