@@ -55,7 +55,7 @@ def _nixl_with_obj_plugin() -> None:
 
 def tier_entry(spec: dict[str, Any]) -> dict[str, Any]:
     kind = spec["tier"]
-    if kind == "dtkv":
+    if kind in ("dtkv", "dtkv-s3"):
         return {**OURS, **spec["settings"]}
     if kind == "fs":
         return {"type": "fs", **spec["settings"]}

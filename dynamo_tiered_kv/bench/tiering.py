@@ -111,9 +111,14 @@ def _disk(tier: str, where: Path, args: argparse.Namespace, prefix: str) -> tupl
     total = n = 0
     for page in _s3(args).get_paginator("list_objects_v2").paginate(Bucket=args.bucket, Prefix=prefix):
         for o in page.get("Contents", []):
-            if tier == "obj" or o["Key"].endswith(SEGMENT_SUFFIX) or "/seg" in o["Key"]:
+            if tier == "obj" or _is_segment(o["Key"]):
                 total, n = total + o["Size"], n + 1
     return total, n
+
+
+def _is_segment(key: str) -> bool:
+    """Ours: segment objects (records back to back, as on the SSD); not manifests."""
+    return key.endswith((".seg", SEGMENT_SUFFIX))
 
 
 def _flip_offsets(tier: str, size: int, row: int) -> list[int]:
@@ -143,7 +148,7 @@ def _flip(tier: str, where: Path, args: argparse.Namespace, prefix: str, row: in
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=args.bucket, Prefix=prefix):
         for o in page.get("Contents", []):
             offs = _flip_offsets(tier, o["Size"], row)
-            if not offs or (tier != "obj" and not o["Key"].endswith(SEGMENT_SUFFIX)):
+            if not offs or (tier != "obj" and not _is_segment(o["Key"])):
                 continue
             body = bytearray(s3.get_object(Bucket=args.bucket, Key=o["Key"])["Body"].read())
             for off in offs:
@@ -272,13 +277,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except Exception:  # absent (or not visible yet): create it
             s3.create_bucket(Bucket=args.bucket)
     t0 = time.monotonic()
-    rows = []
+    rows, failed = [], []
     for kib in kibs:
         for tier in tiers:
-            rows.append(_one(args, tier, kib, {**plan, "flip": kib == kibs[0]}, skip))
-    churn = [] if "churn" in skip else [_churn(args, t, kibs[0], plan) for t in tiers if t in ("dtkv", "fs")]
-    return {"machine": {"host": platform.node(), "cpus": os.cpu_count(), "dir": str(args.dir.resolve()),
-                        "fs": _fstype(args.dir), "s3_endpoint": args.s3_endpoint},
+            try:
+                rows.append(_one(args, tier, kib, {**plan, "flip": kib == kibs[0]}, skip))
+                (args.dir / "partial.json").write_text(json.dumps(rows, indent=1))  # a long run's results so far
+            except (RuntimeError, OSError, subprocess.SubprocessError) as e:  # one tier's failure: the rest still run
+                failed.append({"tier": tier, "kib_per_token": kib, "error": str(e)[-2000:]})
+                report.progress("tiering", f"{tier} {kib} KiB/token failed: {str(e)[-500:]}")
+    churn = []
+    for t in ([] if "churn" in skip else [t for t in tiers if t in ("dtkv", "fs")]):
+        try:
+            churn.append(_churn(args, t, kibs[0], plan))
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            failed.append({"tier": t, "churn": True, "error": str(e)[-2000:]})
+    machine = {"host": platform.node(), "cpus": os.cpu_count(), "dir": str(args.dir.resolve()),
+               "fs": _fstype(args.dir), "s3_endpoint": args.s3_endpoint}
+    return {"failed": failed, "machine": machine,
             "plan": {**plan, "kib_per_token": kibs, "tiers": tiers, "chunk_tokens": CHUNK_TOKENS},
             "tiers": rows, "churn": churn, "targets": targets(rows), "elapsed_s": time.monotonic() - t0}
 
