@@ -1,4 +1,4 @@
-"""G2 host tier: an LRU cache of records in one preallocated (pinned when CUDA exists) arena.
+"""G2 host tier: an LRU cache of records in one preallocated, pre-faulted arena.
 
 The arena is cut into fixed chunks once; a record takes ``ceil(len / chunk)`` chunks from a free
 list, so writes never allocate and the byte capacity is exact. Eviction is least recently used
@@ -7,6 +7,11 @@ blocks go first, then unprotected ones in LRU order, protected ones only when no
 left (lowest priority first). A protected block skipped by eviction moves to the recent end, so
 each is stepped over once, not on every write. Copies are numpy memcpys; the tier holds a lock only
 around index updates, and copies are done under it too since they are short and memory-bound.
+
+The arena is not pinned (``cudaHostRegister``) by default, CUDA or not: it is never a DMA source
+or target. GPU layouts move records through the staging slabs, which are pinned; the arena is
+only memcpy'd to and from them, and pinning a host tier's worth of memory would take it from the
+OS for nothing and slow start-up by the registration of every page.
 
 ``pin_records`` lets the store verify and scatter records where they lie in the arena (no copy
 into a staging slab): a pinned record's chunks are not reused until ``HostPin.release``, even if
@@ -53,17 +58,15 @@ class HostTier(Tier):
         capacity_bytes: int,
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        pin: bool | None = None,
+        pin: bool = False,
         on_evict: Callable[[BlockKey], None] | None = None,
     ) -> None:
         if capacity_bytes <= 0 or chunk_bytes <= 0:
             raise ValueError("capacity_bytes and chunk_bytes must be positive")
-        import torch
-
         n_chunks = max(1, capacity_bytes // chunk_bytes)
         self._chunk = chunk_bytes
         self._capacity = n_chunks * chunk_bytes
-        self._arena = Slab(0, self._capacity, torch.cuda.is_available() if pin is None else pin)
+        self._arena = Slab(0, self._capacity, pin)
         self._chunks = self._arena.array.reshape(n_chunks, chunk_bytes)
         self._free: list[int] = list(range(n_chunks - 1, -1, -1))
         self._index: OrderedDict[BlockKey, tuple[int, list[int]]] = OrderedDict()  # key -> (len, chunks)
