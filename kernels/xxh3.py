@@ -140,7 +140,8 @@ def _accumulate(words: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, 
     ``products[i]`` to acc[i] and ``words[i]`` to acc[i ^ 1].
     """
     dk = words ^ keys
-    hi = _lsr(dk, 32)
+    hi = dk >> 32  # then masked in place: _lsr would hold a third batch-sized temporary at once
+    hi &= _M32
     dk &= _M32
     dk *= hi
     return dk, words
