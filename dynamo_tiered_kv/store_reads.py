@@ -42,6 +42,11 @@ from .tiers.base import ReadRequest, Tier
 log = logging.getLogger("dynamo_tiered_kv.store")  # same logger as before the split: log filters keep working
 
 MIN_PIECE_BYTES = 4 << 20  # smaller concurrent reads cost more per request than they gain (S3: 1 MiB ran 4x slower)
+#: a load up to this size (and one staging slab) from one tier that reads on the calling thread
+#: (``read_slab_now``) is one chunk read there: a 2k-token prefix (15 MiB at 8 KiB/token) read as
+#: three chunks through the loop spent more in hand-offs between chunks than verify+scatter
+#: overlapping the reads saved (docs/BENCHMARKS.md, "Restore fixed costs")
+LOAD_DIRECT_BYTES = 16 << 20
 
 
 @dataclass
@@ -134,6 +139,7 @@ class ChunkReads:
     load_chunk_bytes: int
     load_first_chunk_bytes: int
     load_depth: int
+    load_direct_bytes: int = LOAD_DIRECT_BYTES
     _loop: asyncio.AbstractEventLoop
     _ns_digest: bytes
     _closed: bool
@@ -174,6 +180,11 @@ class ChunkReads:
         deadline = None if timeout is None else time.monotonic() + timeout
         rb = record_bytes(layout.shape)
         per_chunk = min(self._slab_bytes(layout) // rb, max(1, self.load_chunk_bytes // rb))
+        if per_chunk < n <= min(self._slab_bytes(layout), self.load_direct_bytes) // rb:
+            src = {self._fastest(k) for k in keys}
+            only_ti = next(iter(src)) if len(src) == 1 else None
+            if only_ti is not None and hasattr(self.tiers[only_ti], "read_slab_now"):
+                per_chunk = n
         # a small first chunk lets verify+scatter start while the rest is read; a load of at most
         # one chunk has no rest to overlap with: one chunk, read as few requests as the tier allows
         first = n if n <= per_chunk else max(1, min(per_chunk, self.load_first_chunk_bytes // rb))

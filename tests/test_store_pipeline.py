@@ -111,7 +111,8 @@ def test_a_one_chunk_ssd_load_reads_on_the_calling_thread(pool: StagingPool, tmp
     from dynamo_tiered_kv.tiers.ssd import SSDTier
 
     ssd = SSDTier(tmp_path / "ssd", capacity_bytes=64 * REC, segment_bytes=64 * REC, io="odirect")
-    store, src, keys = _filled([ssd], pool, 12, load_chunk_bytes=8 * REC, load_first_chunk_bytes=2 * REC)
+    # 6 blocks: more than one chunk, but one slab (8 records): read whole, on the calling thread
+    store, src, keys = _filled([ssd], pool, 12, load_chunk_bytes=4 * REC, load_first_chunk_bytes=2 * REC)
     threads: list[tuple[str, threading.Thread]] = []
     now, later = ssd.read_slab_now, ssd.read_slab
 
@@ -132,8 +133,9 @@ def test_a_one_chunk_ssd_load_reads_on_the_calling_thread(pool: StagingPool, tmp
             assert block_bytes(src, s) == block_bytes(dst, d)
         assert threads == [("now", threading.current_thread())]
         assert res.stages.read_bytes == {"ssd": 6 * REC} and res.stages.read_s["ssd"] > 0
+        assert res.stages.chunks == 1
         threads.clear()
-        res = store.load(dst, list(range(40, 52)), keys, timeout=10)  # 12 blocks: three chunks
+        res = store.load(dst, list(range(40, 52)), keys, timeout=10)  # 12 blocks: more than a slab
         assert res.loaded_block_ids == list(range(40, 52))
         assert threads and all(w == "loop" and t is not threading.current_thread() for w, t in threads)
     _all_slabs_back(pool)
