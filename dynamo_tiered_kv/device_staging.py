@@ -8,10 +8,18 @@ is far too slow for the hot path.
 On a CPU-only machine a pool on ``device="cpu"`` gives page-aligned host slabs with the same
 interface, so the whole device path (codec, NIXL descriptors, store wiring) runs in CI through
 NIXL's POSIX backend; only the CUDA specifics wait for a GPU.
+
+CUDA slabs are allocated on a thread of their own. ``torch.cuda.use_mem_pool`` routes only the
+calling thread's allocations into its pool, and the store may be built while an engine has such a
+pool active (vLLM's sleep mode allocates through a CuMem pool of VMM memory, which cuFile cannot
+register for DMA and which sleep discards). Another thread's allocation comes from the default
+caching allocator: plain ``cudaMalloc`` memory that GDS registers and that outlives sleep.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +37,29 @@ def synchronize(device: torch.device) -> None:
         ev.synchronize()
 
 
+def _device_empty(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _outside_thread_pools(alloc: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``alloc()`` on a fresh thread, so no memory pool the calling thread routes into applies."""
+    out: list[torch.Tensor] = []
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(alloc())
+        except BaseException as e:  # re-raised on the caller's thread
+            err.append(e)
+
+    t = threading.Thread(target=run, name="dtkv-device-staging-alloc", daemon=True)
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
+    return out[0]
+
+
 class DeviceSlab:
     """One device buffer; ``address`` and ``device_id`` are what NIXL descriptors need."""
 
@@ -44,7 +75,7 @@ class DeviceSlab:
             self.tensor = self._host.tensor
             self.mem_type, self.device_id = "DRAM", 0
         else:  # cudaMalloc'd blocks this large are 2 MiB aligned, cuFile's preferred alignment
-            self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self.tensor = _outside_thread_pools(lambda: _device_empty(nbytes, device))
             self.mem_type, self.device_id = "VRAM", device.index if device.index is not None else 0
         self.address = self.tensor.data_ptr()
 

@@ -89,3 +89,37 @@ def test_device_io_suspend_refuses_transfers_and_resume_restores_them(tmp_path: 
         os.close(fd)
         dio.close()
         pool.close()
+
+
+def test_device_staging_is_allocated_outside_the_engine_threads_memory_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM builds the store (``register_kv_caches``) inside ``CuMemAllocator.use_memory_pool``, which
+    like ``torch.cuda.use_mem_pool`` routes the calling thread's allocations only. A fake pool with
+    that per-thread rule stands in for it: the staging slabs must not come out of it."""
+    from dynamo_tiered_kv import device_staging
+
+    pool = threading.local()  # pool.active: this thread's allocations go to the sleep-mode pool
+    allocations: list[bool] = []
+
+    def fake_cuda_empty(nbytes: int, device: torch.device) -> torch.Tensor:
+        allocations.append(getattr(pool, "active", False))
+        return torch.empty(nbytes, dtype=torch.uint8)  # host memory standing in for VRAM
+
+    monkeypatch.setattr(device_staging, "_device_empty", fake_cuda_empty)
+    pool.active = True  # the engine thread, inside the pool context
+    try:
+        staging = DeviceStagingPool(1 << 20, 2, "cuda:0")
+    finally:
+        pool.active = False
+    assert allocations == [False, False]  # both slabs from the default allocator
+    assert all(s.mem_type == "VRAM" and s.tensor.numel() == 1 << 20 for s in staging.slabs)
+
+
+def test_device_staging_allocation_errors_reach_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dynamo_tiered_kv import device_staging
+
+    def oom(nbytes: int, device: torch.device) -> torch.Tensor:
+        raise torch.OutOfMemoryError("fake")
+
+    monkeypatch.setattr(device_staging, "_device_empty", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        DeviceStagingPool(1 << 20, 1, "cuda:0")
