@@ -9,8 +9,8 @@ from tiering_engine import Engine, keys
 from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 from vllm.v1.kv_offload.base import ReqContext
 
+from dynamo_tiered_kv.connectors.session_flags import session_final
 from dynamo_tiered_kv.connectors.vllm_tiering.key_mapping import block_keys
-from dynamo_tiered_kv.connectors.vllm_tiering.session_hints import session_final
 
 
 def _settings(tmp_path: Path) -> dict[str, object]:

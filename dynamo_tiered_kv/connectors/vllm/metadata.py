@@ -52,9 +52,21 @@ class SaveSpec:
 
 
 @dataclass
+class RetainSpec:
+    """Give the blocks of ``token_hashes`` retention classes (``TieredStore.retain``); with
+    ``demote``, release them and move them out of the host tier instead (``session_retain``)."""
+
+    token_hashes: list[bytes]
+    priorities: list[int] = field(default_factory=list)
+    expiries: list[float | None] = field(default_factory=list)
+    demote: bool = False
+
+
+@dataclass
 class TieredKVMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    retains: list[RetainSpec] = field(default_factory=list)  # KV hints (``session_retain``)
     #: the scheduler's cache was reset (weights changed): workers drop their host and SSD blocks
     reset_cache: bool = False
     #: nothing is scheduled this step (every request waits for its restore): the worker may block

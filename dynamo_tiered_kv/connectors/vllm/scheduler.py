@@ -15,11 +15,12 @@ the free of a ``WAITING_FOR_REMOTE_KVS`` request), so ``request_finished`` never
 
 A small restore on an idle engine (``SYNC_RESTORE_MAX_TOKENS``) is synchronous even with
 ``load_async``: nothing else runs meanwhile, and the request computes in the step that restores it
-instead of two steps later. With ``load_async=False`` every load is synchronous: vLLM runs ``start_load_kv`` before the step's
-forward, and a failed block is reported through ``get_block_ids_with_load_errors`` so vLLM
-recomputes from it on. Saves are whole blocks that become full during a step; the worker
-copies them into staging inside that step's ``wait_for_save``, so by the time a request finishes
-its blocks are already out of the engine and ``request_finished`` never has to hold them.
+instead of two steps later. With ``load_async=False`` every load is synchronous: vLLM runs
+``start_load_kv`` before the step's forward, and a failed block is reported through
+``get_block_ids_with_load_errors`` so vLLM recomputes from it on. Saves are whole blocks that
+become full during a step; the worker copies them into staging inside that step's
+``wait_for_save``, so by the time a request finishes its blocks are already out of the engine and
+``request_finished`` never has to hold them.
 
 A request saves nothing while a block it computes over has an unknown load outcome (its own
 load, or another request's synchronous load it took a local prefix hit on, possibly in an earlier
@@ -41,11 +42,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import TieredKVConfig
+from ...hints import HintStats, RequestHints, read_hints
 from ...keys import ROOT_KEY, Namespace, block_key, scope_salt
+from ..session_flags import session_final
 from .identity import lora_scopes
 from .load_outcomes import LoadOutcomes
-from .metadata import LoadSpec, SaveSpec, StepEcho, TieredKVMetadata
+from .metadata import LoadSpec, RetainSpec, SaveSpec, StepEcho, TieredKVMetadata
 from .rendezvous import LookupClient
+from .session_retain import plan_spec, releases_all
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +84,9 @@ class _Req:
     load_async: bool = False  # how its pending load runs (``SchedulerRole.restore_is_async``)
     #: an asynchronous load failed at this block index: never offer a load reaching it again
     load_cap: int | None = None
+    hints: RequestHints | None = None  # its KV hints (``session_retain``), read once
+    final: bool = False  # its session's last request (``X-Dynamo-Session-Final``)
+    retain_planned: bool = False
 
     def hashes_upto(self, n: int) -> list[bytes]:
         tokens = self.request.all_token_ids
@@ -119,11 +126,16 @@ class SchedulerRole:
         self.sync_restore_max_tokens = SYNC_RESTORE_MAX_TOKENS
         self._async: dict[str, _AsyncLoad] = {}  # asynchronous loads not yet reported finished
         self._orphans: list[LoadSpec] = []  # async loads of requests finished before they were sent
+        self.hint_stats = HintStats()
+        self._retains: list[RetainSpec] = []  # KV hints for the workers, sent with the next step
 
     def _state(self, request: Any) -> _Req:
         st = self._reqs.get(request.request_id)
         if st is None:
             st = _Req(request, self._namespace_for(request))
+            if st.ns is not None:
+                st.hints = read_hints(request, stats=self.hint_stats)  # never raises
+                st.final = session_final(getattr(request, "kv_transfer_params", None))
             self._reqs[request.request_id] = st
         else:
             st.request = request
@@ -146,6 +158,8 @@ class SchedulerRole:
         if st.load_cap is not None:
             n_full = min(n_full, st.load_cap)
         first = num_computed_tokens // bs
+        if not st.retain_planned:
+            self._plan_retention(st, request)
         if n_full <= first:
             return 0, False
         hashes = st.hashes_upto(n_full)
@@ -156,6 +170,17 @@ class SchedulerRole:
             return 0, False
         st.load_async = self.restore_is_async(request.request_id, matched)
         return matched, st.load_async
+
+    def _plan_retention(self, st: _Req, request: Any) -> None:
+        """The request's kv.retain over its prompt's full blocks, for the workers (once)."""
+        st.retain_planned = True
+        if st.hints is None or st.hints.retain is None:
+            return
+        prompt = int(getattr(request, "num_prompt_tokens", request.num_tokens))
+        spec = plan_spec(st.hints, st.hashes_upto(prompt // self.block_size), block_size=self.block_size,
+                         num_prompt_tokens=prompt)
+        if spec is not None:
+            self._retains.append(spec)
 
     def restore_is_async(self, req_id: str, tokens: int) -> bool:
         """Asynchronous unless ``load_async`` is off, or the restore is small (at most
@@ -187,6 +212,7 @@ class SchedulerRole:
         self._reset_pending = False
         loading: list[int] = []  # engine blocks restored synchronously in this step
         meta.loads, self._orphans = self._orphans, []
+        meta.retains, self._retains = self._retains, []
         for st in self._reqs.values():
             spec = st.pending_load
             if spec is None:
@@ -323,6 +349,8 @@ class SchedulerRole:
             self._outcomes.started(st.pending_load.block_ids)
             self._async[request.request_id] = _AsyncLoad(list(st.pending_load.block_ids), st.load_first)
         self._outcomes.forget(request.request_id)
+        if st is not None and st.hashes and (st.final or releases_all(st.hints)):
+            self._retains.append(RetainSpec(list(st.hashes), demote=True))  # the session is over
         return False, None
 
     def reset_cache(self) -> bool:

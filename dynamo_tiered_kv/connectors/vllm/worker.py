@@ -21,6 +21,7 @@ from .cpu_amx import request_amx_tiles
 from .metadata import LoadSpec, TieredKVMetadata
 from .onboard import Onboarder, Restored
 from .rendezvous import LookupServer, register_local, unregister_local
+from .session_retain import apply_specs
 
 if TYPE_CHECKING:
     from .events import BlockResidency
@@ -125,6 +126,8 @@ class WorkerRole:
                 self._residency.reset()  # every announced block is unusable now, shared tier's too
             if self.store is not None:
                 self.store.drop_local()  # the weights changed: this node's blocks can never be used again
+        if meta.retains and self.store is not None:
+            apply_specs(self.store, meta.retains, self.keys_of)  # KV hints: retention tables only, no I/O
         sync: list[LoadSpec] = []
         for spec in meta.loads:
             if not spec.is_async:

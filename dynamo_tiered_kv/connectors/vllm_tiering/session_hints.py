@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...hints import BlockRetention, HintStats, RequestHints, plan_retention, read_hints
 from ...keys import BlockKey
 from ...store import TieredStore
+from ..session_flags import session_final
 
 log = logging.getLogger(__name__)
 
-SESSION_FINAL_KEYS = ("x-dynamo-session-final", "session_final")
 #: chunks of one request (or one scope) remembered for its demotion at most
 MAX_TRACKED_CHUNKS = 1 << 16
 #: scopes (sessions) whose retained chunks are remembered, least recently used forgotten first
@@ -39,15 +39,6 @@ class SessionHints:
     hints: RequestHints | None
     final: bool
     keys: dict[BlockKey, None] = field(default_factory=dict)  # chunks seen, in order
-
-
-def session_final(params: object) -> bool:
-    if not isinstance(params, Mapping):
-        return False
-    for k, v in params.items():
-        if isinstance(k, str) and k.lower() in SESSION_FINAL_KEYS:
-            return v is True or (isinstance(v, str) and v.lower() in ("1", "true", "yes"))
-    return False
 
 
 class HintApplier:

@@ -1,0 +1,65 @@
+"""Our vLLM connector applies a request's kv.retain hints: the scheduler plans, the worker's
+store protects the blocks; a session's final request releases them (no engine: the roles)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+from test_connector_scheduler import BS, FakeLookup, FakeRequest, sched_output
+
+from dynamo_tiered_kv.config import TieredKVConfig
+from dynamo_tiered_kv.connectors.vllm.scheduler import SchedulerRole
+from dynamo_tiered_kv.connectors.vllm.worker import WorkerRole
+from dynamo_tiered_kv.layout import EngineLayoutKind, allocate_engine_kv
+
+
+@dataclass
+class HintedRequest(FakeRequest):
+    kv_transfer_params: dict = field(default_factory=dict)
+
+
+def _envelope(priority: int, end: int | None) -> dict:
+    return {"protocol_version": "0.1", "message_id": "m", "actions": [
+        {"action_id": "keep", "action_type": "kv.retain", "action_version": "1.0",
+         "payload": {"scope": "s", "directives": [{"start": 0, "end": end, "priority": priority,
+                                                   "duration": 3600}]}}]}
+
+
+def test_retain_hints_reach_the_worker_store_and_the_final_request_releases(tmp_path) -> None:
+    sched = SchedulerRole(TieredKVConfig.from_mapping({}), model_id="m", block_size=BS, lookup=FakeLookup(set()))
+    cfg = {"ssd_dir": str(tmp_path / "ssd"), "host_capacity_bytes": 64 << 20, "metrics_port": None,
+           "ssd_seal_idle_s": 3600}
+    w = WorkerRole(TieredKVConfig.from_mapping(cfg), model_id="m", kv_dtype="bfloat16", block_size=BS,
+                   num_kv_heads=2, head_size=8, tp_rank=0, tp_size=1, engine_key=f"t-{uuid.uuid4().hex[:8]}",
+                   authkey=b"k")
+    caches = allocate_engine_kv(EngineLayoutKind.FLASH_ATTN, num_layers=2, num_blocks=8, block_size=BS,
+                                num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    w.register_kv_caches({f"model.layers.{i}.self_attn": t for i, t in enumerate(caches)})
+    try:
+        req = HintedRequest("a", list(range(4 * BS + 3)), kv_transfer_params={"kv_hints": _envelope(70, 2 * BS)})
+        sched.get_num_new_matched_tokens(req, 0)
+        meta = sched.build_connector_meta(sched_output({}))
+        w.start_load_kv(meta)
+        keys = w.keys_of(sched._reqs["a"].hashes_upto(4))
+        host = w.store.retention_of(0)
+        assert [host.priority(k) for k in keys] == [70, 70, 0, 0]  # tokens [0, 32): the first two blocks
+
+        final = HintedRequest("b", list(range(4 * BS + 3)), kv_transfer_params={
+            "kv_hints": _envelope(70, 2 * BS), "X-Dynamo-Session-Final": True})
+        sched.get_num_new_matched_tokens(final, 0)
+        w.start_load_kv(sched.build_connector_meta(sched_output({})))
+        sched.request_finished(final, [])
+        w.start_load_kv(sched.build_connector_meta(sched_output({})))
+        assert [host.priority(k) for k in keys] == [0, 0, 0, 0]
+    finally:
+        w.shutdown()
+
+
+def test_requests_without_hints_send_nothing() -> None:
+    sched = SchedulerRole(TieredKVConfig.from_mapping({}), model_id="m", block_size=BS, lookup=FakeLookup(set()))
+    sched.get_num_new_matched_tokens(HintedRequest("a", list(range(3 * BS))), 0)
+    sched.request_finished(SimpleNamespace(request_id="a"), [])
+    assert sched.build_connector_meta(sched_output({})).retains == []
