@@ -46,7 +46,7 @@ class TieredKVConfig(BaseSettings):
     model_id: str | None = Field(None, description="override the engine's model name in the namespace")
 
     # --- G2 host tier -----------------------------------------------------------------------
-    host_capacity_bytes: int = Field(2 * GiB, ge=0, description="pinned DRAM for hot blocks; 0 disables")
+    host_capacity_bytes: int = Field(2 * GiB, ge=0, description="host DRAM for hot blocks; 0 disables")
     host_ttl_s: float = Field(900.0, gt=0, description="host tier retention (minutes)")
 
     # --- G3 SSD tier --------------------------------------------------------------------------

@@ -461,7 +461,7 @@ object_ttl_s default), not from the config file.
 {{- end -}}
 
 {{/*
-Memory limit check: per TP rank the store holds host_capacity_bytes of pinned DRAM plus its
+Memory limit check: per TP rank the store holds host_capacity_bytes of host DRAM plus its
 staging slabs (package defaults 8 x 32 MiB); a memory-backed /dev/shm counts against the same
 cgroup limit; plus worker.engineMemoryOverhead for the engine itself.
 */}}
