@@ -54,12 +54,14 @@ class SaveSpec:
 @dataclass
 class RetainSpec:
     """Give the blocks of ``token_hashes`` retention classes (``TieredStore.retain``); with
-    ``demote``, release them and move them out of the host tier instead (``session_retain``)."""
+    ``demote``, release them and move them out of the host tier instead; with ``prefetch``, queue
+    their promotion into the fastest tier (``session_retain``)."""
 
     token_hashes: list[bytes]
     priorities: list[int] = field(default_factory=list)
     expiries: list[float | None] = field(default_factory=list)
     demote: bool = False
+    prefetch: bool = False
 
 
 @dataclass

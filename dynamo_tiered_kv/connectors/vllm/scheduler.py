@@ -49,7 +49,7 @@ from .identity import lora_scopes
 from .load_outcomes import LoadOutcomes
 from .metadata import LoadSpec, RetainSpec, SaveSpec, StepEcho, TieredKVMetadata
 from .rendezvous import LookupClient
-from .session_retain import plan_spec, releases_all
+from .session_retain import ScopeMemory, plan_spec, releases_all
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,7 @@ class SchedulerRole:
         self._orphans: list[LoadSpec] = []  # async loads of requests finished before they were sent
         self.hint_stats = HintStats()
         self._retains: list[RetainSpec] = []  # KV hints for the workers, sent with the next step
+        self._scopes = ScopeMemory()  # retained sessions' blocks, for their prefetch hints
 
     def _state(self, request: Any) -> _Req:
         st = self._reqs.get(request.request_id)
@@ -174,7 +175,10 @@ class SchedulerRole:
     def _plan_retention(self, st: _Req, request: Any) -> None:
         """The request's kv.retain over its prompt's full blocks, for the workers (once)."""
         st.retain_planned = True
-        if st.hints is None or st.hints.retain is None:
+        if st.hints is None:
+            return
+        self._retains += self._scopes.prefetch_specs(st.hints, self.block_size)
+        if st.hints.retain is None:
             return
         prompt = int(getattr(request, "num_prompt_tokens", request.num_tokens))
         spec = plan_spec(st.hints, st.hashes_upto(prompt // self.block_size), block_size=self.block_size,
@@ -351,6 +355,9 @@ class SchedulerRole:
         self._outcomes.forget(request.request_id)
         if st is not None and st.hashes and (st.final or releases_all(st.hints)):
             self._retains.append(RetainSpec(list(st.hashes), demote=True))  # the session is over
+            self._scopes.forget(st.hints)
+        elif st is not None:
+            self._scopes.remember(st.hints, st.hashes)
         return False, None
 
     def reset_cache(self) -> bool:

@@ -7,11 +7,17 @@ metadata as a ``RetainSpec`` of token hashes; each worker maps the hashes to its
 and calls ``TieredStore.retain`` (no I/O: the retention tables only). When a session's final
 request (``X-Dynamo-Session-Final``) or a request whose retain releases everything finishes, a
 ``RetainSpec(demote=True)`` releases its blocks and queues their demotion out of the host tier.
+
+Prefetch: the scheduler remembers the blocks of each retained session (its ``kv.retain`` scope,
+the last request's hashes; ``ScopeMemory``, bounded). A later request carrying a
+``dtkv.prefetch`` for that scope sends ``RetainSpec(prefetch=True)`` with the wanted range, and
+each worker queues ``TieredStore.prefetch`` (bounded, low priority, never waits).
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,7 +50,45 @@ def apply_specs(store: TieredStore, specs: Sequence[RetainSpec],
     """A worker's side: retain (or release and demote) the specs' blocks in its store."""
     for spec in specs:
         keys = keys_of(spec.token_hashes)
+        if spec.prefetch:
+            store.prefetch(keys)
+            continue
         if spec.demote:
             store.demote(keys, wait=False)
             continue
         store.retain(keys, [BlockRetention(p, e) for p, e in zip(spec.priorities, spec.expiries)])
+
+
+class ScopeMemory:
+    """The block hashes of each retained session's last request, least recently used forgotten."""
+
+    def __init__(self, max_scopes: int = 1024) -> None:
+        self.max_scopes = max_scopes
+        self._hashes: OrderedDict[str, list[bytes]] = OrderedDict()
+
+    def remember(self, hints: RequestHints | None, hashes: Sequence[bytes]) -> None:
+        scope = hints.retain.scope if hints is not None and hints.retain is not None else None
+        if scope is None or not hashes:
+            return
+        self._hashes.pop(scope, None)
+        self._hashes[scope] = list(hashes)
+        while len(self._hashes) > self.max_scopes:
+            self._hashes.popitem(last=False)
+
+    def forget(self, hints: RequestHints | None) -> None:
+        scope = hints.retain.scope if hints is not None and hints.retain is not None else None
+        if scope is not None:
+            self._hashes.pop(scope, None)
+
+    def prefetch_specs(self, hints: RequestHints | None, block_size: int) -> list[RetainSpec]:
+        """``RetainSpec(prefetch=True)`` for each ``dtkv.prefetch`` naming a remembered session."""
+        out: list[RetainSpec] = []
+        for p in hints.prefetch if hints is not None else ():
+            hashes = self._hashes.get(p.scope)
+            if hashes is None:
+                continue
+            first = p.start // block_size
+            end = len(hashes) if p.end is None else min(len(hashes), p.end // block_size)
+            if first == 0 and end > 0:  # only a prefix can be restored
+                out.append(RetainSpec(hashes[:end], prefetch=True))
+        return out
