@@ -32,7 +32,6 @@ STORE = ("store", "store_reads", "lifecycle", "factory", "flush", "staging", "po
 KNOWN_TYPING_CYCLES = [
     {"dynamo_tiered_kv.lifecycle", "dynamo_tiered_kv.store"},
     {"dynamo_tiered_kv.metrics", "dynamo_tiered_kv.store_reads"},
-    {"dynamo_tiered_kv.tiers.objectstore.tier", "dynamo_tiered_kv.tiers.objectstore.writes"},
 ]
 
 

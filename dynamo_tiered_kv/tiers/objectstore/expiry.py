@@ -16,18 +16,34 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from .backend import ObjectBackend
 from .catalog import Catalog
 from .index import ObjectTable
 from .manifest import MAX_RETAIN_S
 
 if TYPE_CHECKING:
+    import asyncio
+
     from ...retention import RetentionClasses
-    from .tier import ObjectTier
+
+
+class ExpiringTier(Protocol):
+    """What a pass needs of the object tier (``tier.ObjectTier``), named here so this module
+    sits below the tier instead of importing it back."""
+
+    retention: RetentionClasses | None
+    ttl_s: float | None
+    backend: ObjectBackend
+    _lock: asyncio.Lock
+    _cat: Catalog
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> Any: ...
 
 #: expired blocks taken off the retention table per step of a pass
 _STEP = 256
@@ -74,7 +90,7 @@ class ExpireReport:
     manifests: int = 0  # manifests deleted (their objects have no live block left)
 
 
-async def expire_pass(tier: ObjectTier, *, now: float | None = None, max_bytes: int = 1 << 30) -> ExpireReport:
+async def expire_pass(tier: ExpiringTier, *, now: float | None = None, max_bytes: int = 1 << 30) -> ExpireReport:
     """One in-process GC pass over ``tier`` (module docstring); frees at most about ``max_bytes``."""
     cls = tier.retention
     rep = ExpireReport()
@@ -106,7 +122,7 @@ async def expire_pass(tier: ObjectTier, *, now: float | None = None, max_bytes: 
     return rep
 
 
-def _expire_objects(tier: ObjectTier, cat: Catalog, now: float, budget: int, rep: ExpireReport) -> int:
+def _expire_objects(tier: ExpiringTier, cat: Catalog, now: float, budget: int, rep: ExpireReport) -> int:
     """Forget objects past their TTL that hold no protected block; their manifests are deleted."""
     assert tier.ttl_s is not None
     v = cat.objs.view

@@ -60,6 +60,7 @@ from .snapshot import SnapshotError
 from .snapshot import decode as decode_snapshot
 from .snapshot import encode as encode_snapshot
 from .snapshot import fetch as fetch_snapshot
+from .stats import ObjectTierStats
 from .writes import ObjectWrites
 
 if TYPE_CHECKING:
@@ -71,27 +72,6 @@ DEFAULT_CAPACITY_BYTES = 1 << 50  # the bucket is the bound; set a real budget i
 DEFAULT_TTL_S = 14 * 86400.0
 LIST_LAG_MS = 120_000  # incremental listings re-cover 2 min: clock skew, manifests still in flight
 INGEST_BATCH = 4096  # manifests fetched and indexed per step
-
-
-@dataclass
-class ObjectTierStats:
-    """Counters for metrics (monotonic)."""
-
-    gets: int = 0  # ranged GETs issued by read_many
-    runs: int = 0  # contiguous runs read (== gets)
-    records_read: int = 0
-    corrupt_reads: int = 0  # records that failed verification twice (never served)
-    reread_ok: int = 0  # records that failed once and verified on the re-read (served)
-    quarantined: int = 0  # quarantine markers written
-    missing_objects: int = 0
-    objects_published: int = 0
-    objects_deduplicated: int = 0  # publish found the data already there (another node)
-    evicted_objects: int = 0
-    reuploaded_objects: int = 0  # data deleted (by gc) between our data and manifest puts
-    snapshot_loads: int = 0  # index builds that started from a snapshot
-    snapshot_rejected: int = 0  # snapshots ignored (checksum, format): rebuilt from manifests
-    snapshots_written: int = 0
-    index_build_s: float = 0.0  # duration of the last background index build
 
 
 @dataclass(frozen=True, slots=True)

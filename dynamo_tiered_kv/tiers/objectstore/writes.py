@@ -28,7 +28,7 @@ from .manifest import Manifest, content_digest, data_name, tombstone_name
 if TYPE_CHECKING:
     from ...retention import RetentionClasses
     from .catalog import Catalog
-    from .tier import ObjectTierStats
+    from .stats import ObjectTierStats
 
 log = logging.getLogger(__name__)
 
