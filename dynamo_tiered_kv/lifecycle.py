@@ -31,10 +31,17 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from .store import TieredStore
     from .tiers.base import Tier
 
 log = logging.getLogger(__name__)
+
+
+class Closable(Protocol):
+    """What the exit hook needs of a store (``store.TieredStore``)."""
+
+    exit_timeout_s: float
+
+    def close_by(self, deadline: float) -> None: ...
 
 
 class Background(Protocol):
@@ -102,12 +109,12 @@ async def shut_down(tiers: Sequence[Tier], background: Sequence[Background], tas
 
 
 # --- process exit -------------------------------------------------------------------------------
-_stores: weakref.WeakSet[TieredStore] = weakref.WeakSet()
+_stores: weakref.WeakSet[Closable] = weakref.WeakSet()
 _lock = threading.Lock()
 _installed = False
 
 
-def track(store: TieredStore) -> None:
+def track(store: Closable) -> None:
     """Close ``store`` at interpreter exit unless it was closed before."""
     global _installed
     with _lock:
@@ -122,7 +129,7 @@ def track(store: TieredStore) -> None:
     atexit.register(close_all)  # fallback; a no-op when the threading hook closed everything
 
 
-def untrack(store: TieredStore) -> None:
+def untrack(store: Closable) -> None:
     with _lock:
         _stores.discard(store)
 

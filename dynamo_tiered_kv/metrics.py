@@ -47,7 +47,7 @@ from ._native import fast
 from .tiers.base import Tier
 
 if TYPE_CHECKING:
-    from .store_reads import LoadStages
+    from .restore_stages import LoadStages
 
 log = logging.getLogger(__name__)
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

@@ -36,6 +36,7 @@ from .keys import BlockKey
 from .layout import EngineLayout
 from .metrics import StoreMetrics
 from .pacing import SLICE_BYTES, Pacer
+from .restore_stages import LoadStages
 from .staging import Slab, StagingPool
 from .tiers.base import ReadRequest, Tier
 
@@ -47,27 +48,6 @@ MIN_PIECE_BYTES = 4 << 20  # smaller concurrent reads cost more per request than
 #: three chunks through the loop spent more in hand-offs between chunks than verify+scatter
 #: overlapping the reads saved (docs/BENCHMARKS.md, "Restore fixed costs")
 LOAD_DIRECT_BYTES = 16 << 20
-
-
-@dataclass
-class LoadStages:
-    """Where one ``load`` spent its time (seconds) and what each tier delivered.
-
-    ``read_s[tier]``: wall time the tier was reading for this load (the union of its read intervals,
-    so chunks read in parallel count once); for in-place host reads, the time to pin the records.
-    ``read_bytes[tier]``: record bytes that arrived from the tier. ``wait_s``: time the calling
-    thread was blocked on reads (what overlapping did not hide). ``decode_s``: verify+scatter on
-    the calling thread, not counting ``paced_s``: time verify+scatter slices waited for the
-    caller's pacer. ``total_s``: the whole call. Lookup is the caller's and not included.
-    """
-
-    read_s: dict[str, float] = field(default_factory=dict)
-    read_bytes: dict[str, int] = field(default_factory=dict)
-    wait_s: float = 0.0
-    decode_s: float = 0.0
-    paced_s: float = 0.0
-    total_s: float = 0.0
-    chunks: int = 0
 
 
 class Handoff:

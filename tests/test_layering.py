@@ -26,13 +26,10 @@ TEST_TOOLS = {"pytest", "_pytest", "hypothesis", "moto"}
 # Engine-free: what sits below the engine adapters and the command line.
 ENGINE_FREE_EXCEPT = ("connectors", "commands", "cli", "bench", "testing", "__main__")
 MEDIUM_FREE = ("codec", "keys", "layout")
-STORE = ("store", "store_reads", "lifecycle", "factory", "flush", "staging", "policy", "residency")
-# Cycles that exist only through annotation imports (``if TYPE_CHECKING:``): harmless at run time,
-# listed so that no new one joins them. Each pair is a module and the helper split out of it.
-KNOWN_TYPING_CYCLES = [
-    {"dynamo_tiered_kv.lifecycle", "dynamo_tiered_kv.store"},
-    {"dynamo_tiered_kv.metrics", "dynamo_tiered_kv.store_reads"},
-]
+STORE = ("store", "store_reads", "restore_stages", "lifecycle", "factory", "flush", "staging", "policy", "residency")
+# Cycles that exist only through annotation imports (``if TYPE_CHECKING:``) are refused too: a type
+# shared by two modules belongs below both. None is known.
+KNOWN_TYPING_CYCLES: list[set[str]] = []
 
 
 def module_files(root: Path = ROOT, pkg: str = PKG) -> dict[str, Path]:
