@@ -267,6 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
         plan.update(tokens=1024, bytes_per_run=32 * MiB, runs=1, lookup_keys=min(args.lookup_keys, 500),
                     churn_capacity=16 * MiB)
+        kibs = kibs[:1]
     if plan["tokens"] % CHUNK_TOKENS:
         raise SystemExit(f"--tokens must be a multiple of {CHUNK_TOKENS}")
     args.dir.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ from dynamo_tiered_kv.bench import tiering
 VLLM_033 = Path(__file__).resolve().parents[2] / ".deps" / "vllm-0.33"
 
 
+@pytest.mark.timeout(1800)  # about a dozen processes, each importing vLLM and torch
 @pytest.mark.skipif(not (VLLM_033 / "vllm").is_dir(), reason="vLLM 0.33 sources not in .deps/vllm-0.33")
 def test_quick_run_compares_ours_with_vllm_fs_tier(tmp_path: Path) -> None:
     p = argparse.ArgumentParser()
