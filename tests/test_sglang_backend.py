@@ -122,7 +122,7 @@ class TestBackendOverTiers:
                 raise AssertionError("batch_exists did I/O")
 
             for t in backend.store.tiers:
-                for name in ("read_into", "read_many", "read_slab", "pin_records"):
+                for name in ("read_into", "read_many", "read_slab", "read_slab_now", "pin_records"):
                     if hasattr(t, name):
                         monkeypatch.setattr(t, name, no_io)
             assert backend.batch_exists(hashes) == 3
@@ -150,8 +150,9 @@ class TestBackendOverTiers:
                 for name in ("read_into", "read_many", "read_slab", "write_many"):
                     if hasattr(t, name):
                         monkeypatch.setattr(t, name, broken)
-                if hasattr(t, "pin_records"):  # the host tier's zero-copy read
-                    monkeypatch.setattr(t, "pin_records", broken_sync)
+                for name in ("pin_records", "read_slab_now"):  # host zero-copy read, SSD one-chunk read
+                    if hasattr(t, name):
+                        monkeypatch.setattr(t, name, broken_sync)
             t0 = time.monotonic()
             assert backend.batch_get_v1(hashes, pool.alloc(4 * PAGE)) == [False] * 4
             assert time.monotonic() - t0 < 5.0
