@@ -4,6 +4,7 @@ real factory, our real SSD tier (O_DIRECT where the filesystem allows) and moto/
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from dynamo_tiered_kv.connectors.vllm_tiering import DynamoTieredKVTier, RequestHints
+from dynamo_tiered_kv.connectors.vllm_tiering.key_mapping import block_keys
 from dynamo_tiered_kv.errors import ConfigError
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
@@ -344,5 +346,33 @@ def test_a_failing_ssd_degrades_to_recompute(tmp_path: Path, monkeypatch: pytest
         eng.evict_primary()
         assert eng.lookup(ks) == [MISS] * 9
         assert metric(eng, "dtkv_tier_errors_total", tier="ssd", op="write") >= 1
+    finally:
+        eng.stop()
+
+
+def test_a_store_job_waits_per_slab_not_for_the_whole_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staging frees slowly but steadily: every slab (five chunks each) of a four-slab job waits a while, none longer
+    than store_wait_s, so the whole job is stored (a job-wide bound dropped its later chunks, which
+    vLLM then recomputed)."""
+    ks = keys(20)
+    eng = Engine.start(ssd(tmp_path, staging_slab_bytes=64 << 10, staging_slabs=2, store_wait_s=0.5), chunks=24)
+    real, last = eng.tier._has_room, [time.monotonic()]
+
+    def slow_room() -> bool:  # room appears 0.3 s after the previous slab was taken
+        if time.monotonic() - last[0] < 0.3:
+            return False
+        last[0] = time.monotonic()
+        return real()
+
+    try:
+        for c, k in enumerate(ks):
+            eng.rows[c] = payload(k)
+        bks = block_keys(eng.tier.namespace, ks)
+        monkeypatch.setattr(eng.tier, "_has_room", slow_room)
+        result = eng.tier._store(1, list(range(20)), bks)  # the job body, as one of our threads runs it
+        monkeypatch.setattr(eng.tier, "_has_room", real)
+        assert result.success
+        assert eng.tier.store.drain(30)
+        assert all(eng.tier.store.lookup([bk]).num_blocks == 1 for bk in bks)
     finally:
         eng.stop()

@@ -28,7 +28,8 @@ class TierOptions:
 
     #: threads that run store and load jobs (the scheduler thread only enqueues)
     job_threads: int = 4
-    #: how long a store job may wait for a free staging slab before it is reported failed
+    #: how long a store job may wait for each free staging slab before it is reported failed (a job
+    #: that keeps making progress is never cut short)
     store_wait_s: float = 2.0
     #: emit KV events for this tier (effective only when vLLM's KV cache events are on)
     enable_kv_events: bool = True

@@ -244,6 +244,7 @@ class DynamoTieredKVTier(SecondaryTierManager):
                                      transfer_bytes=accepted * self.block_size_bytes)
                 time.sleep(0.002)
             accepted += len(part)
+            give_up = time.monotonic() + self.options.store_wait_s  # the bound is per slab: progress resets it
         return JobResult(job_id, True, transfer_time=time.monotonic() - t0,
                          transfer_bytes=accepted * self.block_size_bytes)
 
