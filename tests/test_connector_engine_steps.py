@@ -224,11 +224,13 @@ def test_failed_sync_load_is_paired_with_its_step_across_idle_steps(model_dir: P
         assert [b for _, s in saves for b in s.block_ids][:2] == load.block_ids[2:]
         _idle(e, 80)
         assert e.store.drain(10)
-        # A later restore of the whole prefix (blocks 2, 3 stored again by r) succeeds.
+        # A later restore of the prefix (blocks 2, 3 stored again by r) succeeds. vLLM's own prefix
+        # cache may still hold blocks 0, 1 (r loaded them; whether they were reused since depends on
+        # its free-block order), so the load covers blocks 2, 3 at least.
         r2 = e.add("r2", [*PREFIX, *range(700, 740)], max_tokens=10)
         meta = e.step()
         (load,) = meta.loads
-        assert len(load.block_ids) == 4 and e.invalid[len(e.metas)] == set()
+        assert len(load.block_ids) in (2, 4) and e.invalid[len(e.metas)] == set()
         assert r2.num_computed_tokens == len(r2.prompt_token_ids)  # nothing rolled back
         e.run(lambda: r2.is_finished())
         saves = e.saves_of("r2")
