@@ -133,7 +133,7 @@ def test_store_accounts_the_stored_prefix_as_written() -> None:
     try:
         items = [(k, memoryview(np.frombuffer(v, np.uint8))) for k, v in (rec(i) for i in range(4))]
         store._call(store._write_tier(0, items), timeout=10)
-        assert list(store._ttl[0].written) == [k for k, _ in items[:2]]
+        assert list(store._ttl[0]._written) == [k for k, _ in items[:2]]
     finally:
         store.close()
         pool.close()

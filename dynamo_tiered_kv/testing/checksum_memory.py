@@ -2,9 +2,9 @@
 
 ``device_codec`` hashes a batch of records (``kernels.xxh3_64_rows``) with torch ops whose
 temporaries scale with the batch; on a GPU they come out of the memory vLLM leaves free. The same
-ops run on the CPU, where each measurement is the growth of a fresh process's peak RSS across one
-``_layer_sums`` call over records already in memory (so the figure is what the torch ops allocate,
-whatever the device):
+ops run on the CPU, where each measurement is the growth of a fresh process's peak RSS (reset to
+the current RSS first) across one ``_layer_sums`` call over records already in memory (so the
+figure is what the torch ops allocate, whatever the device):
 
     python -m dynamo_tiered_kv.testing.checksum_memory
 """
@@ -29,9 +29,21 @@ shape = BlockShape(CanonicalFormat.KV_SPLIT, DType.UINT8, nl, 1, 1, lb // 2)  # 
 hb, rb = header_bytes(nl), record_bytes(shape)
 recs = torch.randint(0, 256, (n * rb,), dtype=torch.uint8).view(n, rb)
 device_codec._layer_sums(recs[:1], hb, nl, lb)  # one-time allocations (tables, thread pools) first
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-device_codec._layer_sums(recs, hb, nl, lb)
-peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+try:  # reset the peak to the current RSS, so earlier, freed peaks (imports, randint) do not hide the pass
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    device_codec._layer_sums(recs, hb, nl, lb)
+    peak = (status("VmHWM") - before) * 1024
+except OSError:  # no /proc/self/clear_refs: the process's lifetime peak
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    device_codec._layer_sums(recs, hb, nl, lb)
+    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
 print(json.dumps({"batch_bytes": n * rb, "peak_bytes": peak}))
 """
 

@@ -37,7 +37,7 @@ def writer_main(root: str, journal: str, seed: int, generation: int, segment_byt
 
 async def _writer(root: str, journal: str, seed: int, generation: int, segment_bytes: int, io: str,
                   capacity_bytes: int) -> None:
-    from .tier import SSDTier
+    from ..tiers.ssd.tier import SSDTier
 
     rng = random.Random(seed)
     tier = SSDTier(root, capacity_bytes=capacity_bytes, segment_bytes=segment_bytes, io=io, idle_seal_s=None)
