@@ -1,4 +1,4 @@
-"""``dtkv bench s3`` runs end to end (small sizes) and reports what the issue asks for."""
+"""``dtkv bench s3`` runs end to end (small sizes) and reports its ratios, request counts and ceilings."""
 
 from __future__ import annotations
 

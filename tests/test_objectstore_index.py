@@ -1,4 +1,4 @@
-"""Issue 12: background open, compact index, namespace isolation, snapshots, legacy layout."""
+"""Object index: background open, compact index, namespace isolation, snapshots, legacy layout."""
 
 from __future__ import annotations
 

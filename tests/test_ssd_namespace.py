@@ -1,4 +1,4 @@
-"""Tier-level verification checks the whole identity, namespace included (issue 10, item 5)."""
+"""Tier-level verification checks the whole identity, namespace included."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SSD read path for the store's pipeline (issue 11): slab reads without per-record views, NIXL
+"""SSD read path for the store's pipeline: slab reads without per-record views, NIXL
 transfers of several threads in flight together, descriptors split within one transfer."""
 
 from __future__ import annotations

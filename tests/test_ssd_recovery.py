@@ -1,4 +1,4 @@
-"""Recovery keeps every valid record (issue 10, item 6) and one stray entry of a rank directory
+"""Recovery keeps every valid record and one stray entry of a rank directory
 never disables the tier (item 8): it is quarantined and the rest is served."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A write whose records are durable never reports failure because the automatic seal after it
-failed (issue 10, item 12): the seal is retried later, and a batch that stops partway says how
+failed: the seal is retried later, and a batch that stops partway says how
 many of its records are stored (``PartialWrite``), which the store accounts as written."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""TieredStore load pipeline (issue 11): chunks read ahead, runs read as concurrent pieces, host
+"""TieredStore load pipeline: chunks read ahead, runs read as concurrent pieces, host
 records verified in place; ordering, partial failures, timeouts, slab release, stage timings."""
 
 from __future__ import annotations

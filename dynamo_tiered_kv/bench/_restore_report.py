@@ -7,7 +7,7 @@ from typing import Any
 
 TIERS = ("host", "ssd", "object")
 RAW_DESC = {"memcpy": "memcpy", "odirect": "O_DIRECT preadv", "s3": "ranged GETs"}
-#: (tier, ours/raw ceiling) of issue 11 item 5
+#: (tier, ours/raw ceiling): the restore goals
 RAW_TARGETS = {"host": 2.0, "ssd": 1.25, "object": 1.25}
 REDUCTION_TARGETS = {"ssd": 0.98, "object": 0.96}
 EXAMPLE_TARGET = 2.0
@@ -177,7 +177,7 @@ def format_sweep(res: dict[str, Any]) -> list[str]:
 
 
 def targets(s: dict[str, Any], obj_desc: str) -> list[dict[str, Any]]:
-    """Issue 11 item 5 goals against what this run measured."""
+    """The restore goals against what this run measured."""
     rows = {r["tier"]: r for r in s["rows"]}
     out: list[dict[str, Any]] = []
     for tier, lim in RAW_TARGETS.items():
@@ -279,7 +279,7 @@ def format_tables(res: dict[str, Any]) -> str:
     if res.get("load_avg"):
         lines.append(f"load average at the end of the run: {' '.join(f'{x:.1f}' for x in res['load_avg'])} "
                      f"({res.get('cpu_count')} CPUs)")
-    lines += ["", "targets (issue 11 item 5):"]
+    lines += ["", "targets:"]
     for t in s["targets"]:
         m = f"{t['measured']:.1%}" if t["fmt"] == "%" else f"{t['measured']:.2f}x"
         lines.append(f"  {'met ' if t['met'] else 'MISS'}  {t['goal']}: {m}")

@@ -7,7 +7,7 @@ requests of ``--context`` tokens arrive ``--stagger-s`` apart and restore their 
 tier (host in the process that stored them; SSD with the host tier off; object tier with the SSD
 wiped) or, for comparison, are recomputed (no connector). Each round runs the streams alone
 (baseline) and with the restores, order alternating. Reported per session: p50 / p99 / max
-inter-token latency of the decoding streams with and without restores (target of issue 11:
+inter-token latency of the decoding streams with and without restores (target:
 p99 with restores <= 1.2x without) and the restores' TTFT. With ``load_async`` in the connector's
 settings, ``--load-async both`` measures synchronous and asynchronous onboarding.
 """
