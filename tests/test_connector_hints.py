@@ -30,7 +30,8 @@ def _envelope(priority: int, end: int | None) -> dict:
                                                    "duration": 3600}]}}]}
 
 
-def test_retain_hints_reach_the_worker_store_and_the_final_request_releases(tmp_path) -> None:
+def _roles(tmp_path) -> tuple[SchedulerRole, WorkerRole]:
+    """A scheduler role and one worker over CPU KV caches, a host tier and an SSD tier."""
     sched = SchedulerRole(TieredKVConfig.from_mapping({}), model_id="m", block_size=BS, lookup=FakeLookup(set()))
     cfg = {"ssd_dir": str(tmp_path / "ssd"), "host_capacity_bytes": 64 << 20, "metrics_port": None,
            "ssd_seal_idle_s": 3600}
@@ -40,6 +41,11 @@ def test_retain_hints_reach_the_worker_store_and_the_final_request_releases(tmp_
     caches = allocate_engine_kv(EngineLayoutKind.FLASH_ATTN, num_layers=2, num_blocks=8, block_size=BS,
                                 num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
     w.register_kv_caches({f"model.layers.{i}.self_attn": t for i, t in enumerate(caches)})
+    return sched, w
+
+
+def test_retain_hints_reach_the_worker_store_and_the_final_request_releases(tmp_path) -> None:
+    sched, w = _roles(tmp_path)
     try:
         req = HintedRequest("a", list(range(4 * BS + 3)), kv_transfer_params={"kv_hints": _envelope(70, 2 * BS)})
         sched.get_num_new_matched_tokens(req, 0)
@@ -68,15 +74,7 @@ def test_requests_without_hints_send_nothing() -> None:
 
 
 def test_a_prefetch_hint_brings_a_retained_session_back_into_the_host_tier(tmp_path) -> None:
-    sched = SchedulerRole(TieredKVConfig.from_mapping({}), model_id="m", block_size=BS, lookup=FakeLookup(set()))
-    cfg = {"ssd_dir": str(tmp_path / "ssd"), "host_capacity_bytes": 64 << 20, "metrics_port": None,
-           "ssd_seal_idle_s": 3600}
-    w = WorkerRole(TieredKVConfig.from_mapping(cfg), model_id="m", kv_dtype="bfloat16", block_size=BS,
-                   num_kv_heads=2, head_size=8, tp_rank=0, tp_size=1, engine_key=f"t-{uuid.uuid4().hex[:8]}",
-                   authkey=b"k")
-    caches = allocate_engine_kv(EngineLayoutKind.FLASH_ATTN, num_layers=2, num_blocks=8, block_size=BS,
-                                num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
-    w.register_kv_caches({f"model.layers.{i}.self_attn": t for i, t in enumerate(caches)})
+    sched, w = _roles(tmp_path)
     try:
         turn = HintedRequest("t1", list(range(4 * BS + 3)), kv_transfer_params={"kv_hints": _envelope(70, None)})
         sched.get_num_new_matched_tokens(turn, 0)
