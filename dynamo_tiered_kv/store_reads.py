@@ -2,7 +2,9 @@
 scattered on the calling thread, several chunks in flight.
 
 * A load is cut into chunks: a small first one (decode starts after ~1 MiB has arrived, not a
-  whole chunk), then ``load_chunk_bytes`` each; a load of at most one chunk is one chunk (nothing
+  whole chunk), then ``load_chunk_bytes`` each, or, where every block comes from tiers that name
+  their own ``load_chunk_bytes`` (the object tier: a request costs more there than the overlap
+  of small chunks gains), chunks of that size from the first; a load of at most one chunk is one chunk (nothing
   to overlap a small first chunk with), read on the calling thread where its tier can
   (``read_slab_now``: no hand-offs between threads). Up to ``load_depth`` chunks are read ahead,
   each into its own staging slab taken without waiting (one slab is left free for offloads).
@@ -160,6 +162,9 @@ class ChunkReads:
         deadline = None if timeout is None else time.monotonic() + timeout
         rb = record_bytes(layout.shape)
         per_chunk = min(self._slab_bytes(layout) // rb, max(1, self.load_chunk_bytes // rb))
+        tier_chunk = self._tier_chunk_bytes(keys)
+        if tier_chunk is not None:  # a tier whose requests cost more than overlap gains: its size
+            per_chunk = min(self._slab_bytes(layout) // rb, max(1, tier_chunk // rb))
         if per_chunk < n <= min(self._slab_bytes(layout), self.load_direct_bytes) // rb:
             src = {self._fastest(k) for k in keys}
             only_ti = next(iter(src)) if len(src) == 1 else None
@@ -167,7 +172,8 @@ class ChunkReads:
                 per_chunk = n
         # a small first chunk lets verify+scatter start while the rest is read; a load of at most
         # one chunk has no rest to overlap with: one chunk, read as few requests as the tier allows
-        first = n if n <= per_chunk else max(1, min(per_chunk, self.load_first_chunk_bytes // rb))
+        first = n if n <= per_chunk else per_chunk if tier_chunk is not None else \
+            max(1, min(per_chunk, self.load_first_chunk_bytes // rb))
         in_place_ok = layout.fast_table() is not None
         inflight: deque[ChunkRead] = deque()
         decoder = _ChunkDecoder(pacer, deadline, rb, fan=in_place_ok)
@@ -467,6 +473,17 @@ class ChunkReads:
                 abandoned = rd.hand.abandoned
             if abandoned:
                 self._release(rd.slab)
+
+    def _tier_chunk_bytes(self, keys: Sequence[BlockKey]) -> int | None:
+        """The chunk size every source tier of ``keys`` asks for (``load_chunk_bytes``: the object
+        tier's), the smallest if several; None when a source asks none (or a key has no source)."""
+        sizes = []
+        for ti in {self._fastest(k) for k in keys}:
+            size = None if ti is None else getattr(self.tiers[ti], "load_chunk_bytes", None)
+            if not size:
+                return None
+            sizes.append(int(size))
+        return min(sizes) if sizes else None
 
     def _read_shape(self, ti: int, frugal: bool = False) -> tuple[int, int]:
         """(pieces a run is cut into at most, smallest piece in bytes) for tier ``ti``: the tier's

@@ -296,3 +296,33 @@ def test_decode_records_in_place_verifies_each_record() -> None:
     assert errs[0] is None and isinstance(errs[1], ChecksumMismatch) and errs[2] is None
     assert block_bytes(dst, 7) == block_bytes(src, 3) and block_bytes(dst, 6) == block_bytes(src, 2)
     assert block_bytes(dst, 5) != block_bytes(src, 1)
+
+
+def test_object_tier_restores_in_slab_sized_chunks_one_ranged_get_per_run(pool: StagingPool, tmp_path) -> None:
+    """A load from the object tier alone is not cut into a small first chunk and small pieces:
+    every run of a chunk inside one data object is one ranged GET (the store's default chunks of
+    two records and a first chunk of one would cost a request per record or two)."""
+    from dynamo_tiered_kv.tiers.objectstore import LocalDirBackend, ObjectTier
+
+    class CountingBackend(LocalDirBackend):
+        gets = 0
+
+        async def get_range(self, name, offset, dests):
+            CountingBackend.gets += 1
+            return await super().get_range(name, offset, dests)
+
+    obj = ObjectTier(CountingBackend(tmp_path / "obj"))
+    obj.load_chunk_bytes = obj.read_piece_bytes = 8 * REC  # one staging slab
+    store, src, keys = _filled([obj], pool, 20, load_chunk_bytes=2 * REC, load_first_chunk_bytes=REC)
+    with store:
+        assert store.lookup(keys).num_blocks == 20
+        dst = make_layout(64)
+        res = store.load(dst, list(range(30, 50)), keys, timeout=10)
+        assert res.loaded_block_ids == list(range(30, 50))
+        for s, d in zip(range(1, 21), range(30, 50), strict=True):
+            assert block_bytes(src, s) == block_bytes(dst, d)
+        # offloads of 8 + 8 + 4 records made three data objects; chunks of 8, 6 and 6 records
+        # read [0, 8) from the first, [8, 14) from the second and [14, 20) across the last two
+        assert res.stages.chunks == 3
+        assert CountingBackend.gets == 4
+    _all_slabs_back(pool)

@@ -137,6 +137,12 @@ class ObjectTier(ObjectWrites, Tier):
     capabilities = TierCapabilities(medium="object", durable=True, shared=True)
     #: set by the store: per-block (priority, expiry); persisted in manifests (``expiry.py``)
     retention: RetentionClasses | None = None
+    #: a restore from this tier reads chunks of up to a staging slab (no small first chunk) and
+    #: each run of a chunk with one ranged GET: on HDD-backed S3 a request's latency outweighs the
+    #: overlap smaller reads buy, and the chunks read ahead (``load_depth``) keep several GETs in
+    #: flight. 8 MiB chunks in 4 MiB pieces cost 13 GETs per 64 MiB prefix (`dtkv bench tiering`).
+    load_chunk_bytes: int | None = 64 << 20
+    read_piece_bytes: int | None = 64 << 20
 
     def __init__(self, backend: ObjectBackend, *, capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
                  ttl_s: float | None = DEFAULT_TTL_S, verify_reads: bool = True, read_timeout_s: float = 30.0,

@@ -38,9 +38,9 @@ log = logging.getLogger(__name__)
 IOV_MAX = 1024
 NIXL_TIMEOUT_S = 60.0
 NIXL_DESC_BYTES = 1 << 20  # read descriptor size within one NIXL transfer (requests in the ring at once)
-# Writes in larger requests: with 1 MiB ones a 32 MiB batch wrote at 0.68-0.71 of raw pwritev on
-# this VM's virtio disk, with 4 MiB at 0.92 (`dtkv bench ssd --io nixl`); reads were no different.
-NIXL_WRITE_DESC_BYTES = 4 << 20
+# Writes in large requests: one 32 MiB batch wrote at 0.68-0.71 of raw pwritev in 1 MiB requests on
+# the 2-core dev VM's virtio disk, 0.77-0.79 in 4 MiB ones and 0.91-0.92 in one (`dtkv bench ssd --io nixl`).
+NIXL_WRITE_DESC_BYTES = 32 << 20
 WAIT_FIRST_GBPS = 2.0  # device rate assumed until transfers have measured it
 POLL_MAX_S = 5e-4  # completion checks after the expected time: at least this often
 
