@@ -231,16 +231,23 @@ def phase_load(spec: dict[str, Any], manager: Any, tier: Any) -> dict[str, Any]:
 def phase_lookup(spec: dict[str, Any], manager: Any, tier: Any) -> dict[str, Any]:
     """The tier's own ``lookup`` for ``lookup_keys`` keys (the stored ones first), stepped until
     every key is HIT or MISS (vLLM's async lookups answer RETRY until their thread has looked)."""
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext
-
     chunks, tag = spec["chunks_per_prefix"], spec["tag"]
     keys = [k for p in range(spec["prefixes"]) for k in prefix_keys(p, chunks, tag)]
     keys += prefix_keys(10**6, spec["lookup_keys"] - len(keys), tag + "-absent")
-    ctx = ReqContext(req_id="lookup")
+    t0 = time.perf_counter()
+    hits, rounds = _hits(manager, tier, keys, "lookup")
+    took = time.perf_counter() - t0
+    return {"keys": len(keys), "hits": hits, "lookup_s": took, "rounds": rounds}
+
+
+def _hits(manager: Any, tier: Any, keys: list[Any], req_id: str) -> tuple[int, int]:
+    """(keys the tier answers HIT, lookup rounds it took), stepping the manager between rounds."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    ctx = ReqContext(req_id=req_id)
     with manager.lock:
         tier.on_new_request(ctx)
     left, hits, rounds = list(keys), 0, 0
-    t0 = time.perf_counter()
     while left:
         rounds += 1
         again = []
@@ -255,8 +262,9 @@ def phase_lookup(spec: dict[str, Any], manager: Any, tier: Any) -> dict[str, Any
         if left:
             _step(manager)
             time.sleep(0.0002)
-    took = time.perf_counter() - t0
-    return {"keys": len(keys), "hits": hits, "lookup_s": took, "rounds": rounds}
+    with manager.lock:
+        tier.on_request_finished(ctx)
+    return hits, rounds
 
 
 def drop_page_cache() -> bool:
@@ -287,6 +295,11 @@ def phase_runs(spec: dict[str, Any], manager: Any, tier: Any) -> dict[str, Any]:
         res["io"] = {k: io1[k] - io0.get(k, 0) for k in io1}
         res["s3_requests"] = {k: rgw1[k] - rgw0.get(k, 0) for k in rgw1}
         res["page_cache_dropped"] = dropped
+        if spec["phase"] == "store":  # what the tier holds before the process exits (failed jobs: not)
+            res["stored"] = _hits(manager, tier, [k for p in range(run.get("first_prefix", 0),
+                                                                    run.get("first_prefix", 0) + run["prefixes"])
+                                                  for k in prefix_keys(p, run["chunks_per_prefix"], run["tag"])],
+                                  "stored")[0]
         out["runs"].append(res)
     return out
 

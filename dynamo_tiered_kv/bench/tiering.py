@@ -160,64 +160,101 @@ def _flip(tier: str, where: Path, args: argparse.Namespace, prefix: str, row: in
 
 def _clear(tier: str, where: Path, args: argparse.Namespace, prefix: str) -> None:
     shutil.rmtree(where, ignore_errors=True)
-    if tier in ("dtkv-s3", "obj"):
-        s3 = _s3(args)
+    if tier not in ("dtkv-s3", "obj"):
+        return
+    s3 = _s3(args)
+    try:
         for page in s3.get_paginator("list_objects_v2").paginate(Bucket=args.bucket, Prefix=prefix):
             keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
             if keys:
                 s3.delete_objects(Bucket=args.bucket, Delete={"Objects": keys})
+    except Exception as e:  # a slow server's delete timing out must not lose the measurements
+        report.progress("tiering", f"could not delete s3://{args.bucket}/{prefix}: {type(e).__name__}: {e}")
 
 
 def _range(xs: list[float]) -> dict[str, float] | None:
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)} if xs else None
 
 
-def _one(args: argparse.Namespace, tier: str, kib: int, plan: dict[str, Any], skip: set[str]) -> dict[str, Any]:
+def _shape(args: argparse.Namespace, tiers: list[str], kib: int, plan: dict[str, Any], skip: set[str],
+           failed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every tier on one model shape, run by run: run ``i`` of each tier (a store process, then a
+    load process) before run ``i + 1`` of any, the tiers' order reversed every other run, so a
+    shared disk's or server's drift over minutes falls on all tiers alike. Ratios pair run ``i``
+    of ours with run ``i`` of the peer (``targets``)."""
     row = kib * 1024 * CHUNK_TOKENS
     chunks = plan["tokens"] // CHUNK_TOKENS
     prefixes = max(1, int(plan["bytes_per_run"] // (row * chunks)))
-    name = f"{tier}-{kib}k"
-    where, prefix = args.dir.resolve() / name, f"bench-{name}-{os.getpid()}"
-    _clear(tier, where, args, prefix)
-    base = {"tier": tier, "settings": _settings(args, tier, where, prefix, row), "row_bytes": row,
-            "chunks_per_prefix": chunks, "prefixes": prefixes, "primary_chunks": prefixes * chunks + 8,
-            "model": f"bench/kv-{kib}k", "tag": name, "runs": plan["runs"],
-            "rgw_admin_socket": args.rgw_admin_socket}
-    report.progress("tiering", f"{name}: store {plan['runs']} x {prefixes} prefixes of {chunks} chunks")
-    stored = _worker(args, {**base, "phase": "store"})
-    disk_bytes, objects = _disk(tier, where, args, prefix)
-    report.progress("tiering", f"{name}: load in a new process")
     lookup_keys = 0 if "lookup" in skip else plan["lookup_keys"]
-    loaded = _worker(args, {**base, "phase": "load", "lookup_keys": lookup_keys})
+    state: dict[str, dict[str, Any]] = {}
+    for tier in tiers:
+        name = f"{tier}-{kib}k"
+        where, prefix = args.dir.resolve() / name, f"bench-{name}-{os.getpid()}"
+        _clear(tier, where, args, prefix)
+        base = {"tier": tier, "settings": _settings(args, tier, where, prefix, row), "row_bytes": row,
+                "chunks_per_prefix": chunks, "prefixes": prefixes, "primary_chunks": prefixes * chunks + 8,
+                "model": f"bench/kv-{kib}k", "tag": name, "runs": 1, "rgw_admin_socket": args.rgw_admin_socket}
+        state[tier] = {"name": name, "where": where, "prefix": prefix, "base": base, "stored": [], "loaded": []}
+    for i in range(plan["runs"]):
+        for tier in tiers if i % 2 == 0 else tiers[::-1]:
+            st = state.get(tier)
+            if st is None:  # failed in an earlier run
+                continue
+            report.progress("tiering", f"{st['name']} run {i + 1}/{plan['runs']}: store {prefixes} prefixes of "
+                                       f"{chunks} chunks, then load them in a new process")
+            try:
+                st["stored"].append(_worker(args, {**st["base"], "phase": "store", "first_run": i}))
+                st["loaded"].append(_worker(args, {**st["base"], "phase": "load", "first_run": i,
+                                                   "lookup_keys": lookup_keys if i == 0 else 0}))
+            except (RuntimeError, OSError, subprocess.SubprocessError) as e:  # this tier's failure: the rest run on
+                failed.append({"tier": tier, "kib_per_token": kib, "error": str(e)[-2000:]})
+                report.progress("tiering", f"{tier} {kib} KiB/token failed: {str(e)[-500:]}")
+                _clear(tier, st["where"], args, st["prefix"])
+                del state[tier]
+    return [_summarize(args, tier, kib, plan, skip, st) for tier, st in state.items()]
+
+
+def _summarize(args: argparse.Namespace, tier: str, kib: int, plan: dict[str, Any], skip: set[str],
+               st: dict[str, Any]) -> dict[str, Any]:
+    """One tier's row: its runs, what it holds, and (first shape only) what a flipped byte does."""
+    base, where, prefix, name = st["base"], st["where"], st["prefix"], st["name"]
+    row, chunks, prefixes = base["row_bytes"], base["chunks_per_prefix"], base["prefixes"]
+    stored = [r for w in st["stored"] for r in w["runs"]]
+    loaded = [r for w in st["loaded"] for r in w["runs"]]
+    disk_bytes, objects = _disk(tier, where, args, prefix)
     per_run_bytes = prefixes * chunks * row
+    store_runs = [per_run_bytes / r["written_s"] / 1e9 for r in stored]
+    load_runs = [r["bytes"] / r["load_s"] / 1e9 if r["load_s"] > 0 else 0.0 for r in loaded]
     out: dict[str, Any] = {
         "tier": tier, "kib_per_token": kib, "row_bytes": row, "prefixes_per_run": prefixes,
         "chunks_per_prefix": chunks, "bytes_per_run": per_run_bytes,
-        "store_gbps": _range([per_run_bytes / r["written_s"] / 1e9 for r in stored["runs"]]),
-        "store_jobs_gbps": _range([per_run_bytes / r["jobs_done_s"] / 1e9 for r in stored["runs"]]),
-        "load_gbps": _range([r["bytes"] / r["load_s"] / 1e9 for r in loaded["runs"] if r["load_s"] > 0]),
-        "found_after_restart": sum(r["hits"] for r in loaded["runs"]) / (plan["runs"] * prefixes * chunks),
-        "wrong_bytes_loaded": sum(r["wrong_bytes"] for r in loaded["runs"]),
-        "page_cache_dropped": all(r["page_cache_dropped"] for r in loaded["runs"]),
-        "objects_per_prefix": objects / (plan["runs"] * prefixes),
-        "bytes_on_medium_per_stored_byte": disk_bytes / (plan["runs"] * per_run_bytes),
-        "store_requests_per_prefix": _per_prefix(stored["runs"], prefixes, tier, "put", "syscw"),
-        "load_requests_per_prefix": _per_prefix(loaded["runs"], prefixes, tier, "get", "syscr"),
-        "load_storage_bytes_per_prefix": statistics.median(r["io"].get("read_bytes", 0) for r in loaded["runs"])
+        "store_gbps": _range(store_runs), "store_gbps_runs": store_runs,
+        "store_jobs_gbps": _range([per_run_bytes / r["jobs_done_s"] / 1e9 for r in stored]),
+        "load_gbps": _range([x for x in load_runs if x > 0]), "load_gbps_runs": load_runs,
+        # of what the tier held when its writer exited (a store job may fail: vLLM keeps it uncached)
+        "stored_share": sum(r["stored"] for r in stored) / (len(stored) * prefixes * chunks),
+        "found_after_restart": sum(r["hits"] for r in loaded) / max(1, sum(r["stored"] for r in stored)),
+        "wrong_bytes_loaded": sum(r["wrong_bytes"] for r in loaded),
+        "page_cache_dropped": all(r["page_cache_dropped"] for r in loaded),
+        "objects_per_prefix": objects / (len(stored) * prefixes),
+        "bytes_on_medium_per_stored_byte": disk_bytes / (len(stored) * per_run_bytes),
+        "store_requests_per_prefix": _per_prefix(stored, prefixes, tier, "put", "syscw"),
+        "load_requests_per_prefix": _per_prefix(loaded, prefixes, tier, "get", "syscr"),
+        "load_storage_bytes_per_prefix": statistics.median(r["io"].get("read_bytes", 0) for r in loaded)
         / prefixes,
-        "backpressure": loaded.get("backpressure"),
+        "backpressure": st["loaded"][0].get("backpressure"),
         # ours on S3 alone: its index of the bucket is built in the background at start (lookups miss
         # until then); the loads are timed once it is ready
-        "index_wait_s": loaded.get("index_wait_s"),
+        "index_wait_s": _range([w["index_wait_s"] for w in st["loaded"] if w.get("index_wait_s") is not None]),
     }
-    if "lookup" in loaded:
-        lk = loaded["lookup"]
+    if "lookup" in st["loaded"][0]:
+        lk = st["loaded"][0]["lookup"]
         out["lookup"] = {"keys": lk["keys"], "hits": lk["hits"], "total_s": lk["lookup_s"],
                          "us_per_key": lk["lookup_s"] / lk["keys"] * 1e6, "rounds": lk["rounds"]}
     if "flip" not in skip and plan["flip"]:
         flips = _flip(tier, where, args, prefix, row, name)
         report.progress("tiering", f"{name}: {flips} bytes flipped, load again")
-        again = _worker(args, {**base, "phase": "load", "runs": 1, "lookup_keys": 0})["runs"][0]
+        again = _worker(args, {**base, "phase": "load", "lookup_keys": 0})["runs"][0]
         out["flip"] = {"flipped": flips, "chunks": again["chunks"], "returned_ok": again["verified"],
                        "returned_wrong": again["wrong_bytes"], "missed": again["chunks"] - again["hits"],
                        "load_failed": again["hits"] - again["verified"] - again["wrong_bytes"]}
@@ -280,13 +317,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.monotonic()
     rows, failed = [], []
     for kib in kibs:
-        for tier in tiers:
-            try:
-                rows.append(_one(args, tier, kib, {**plan, "flip": kib == kibs[0]}, skip))
-                (args.dir / "partial.json").write_text(json.dumps(rows, indent=1))  # a long run's results so far
-            except (RuntimeError, OSError, subprocess.SubprocessError) as e:  # one tier's failure: the rest still run
-                failed.append({"tier": tier, "kib_per_token": kib, "error": str(e)[-2000:]})
-                report.progress("tiering", f"{tier} {kib} KiB/token failed: {str(e)[-500:]}")
+        rows += _shape(args, tiers, kib, {**plan, "flip": kib == kibs[0]}, skip, failed)
+        (args.dir / "partial.json").write_text(json.dumps(rows, indent=1))  # a long run's results so far
     churn = []
     for t in ([] if "churn" in skip else [t for t in tiers if t in ("dtkv", "fs")]):
         try:
@@ -308,13 +340,9 @@ def _fstype(d: Path) -> str | None:
         return None
 
 
-def _med(row: dict[str, Any] | None, key: str) -> float | None:
-    v = (row or {}).get(key)
-    return v["median"] if isinstance(v, dict) else None
-
-
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Ours against vLLM's tier of the same medium, per shape (medians of the runs)."""
+    """Ours against vLLM's tier of the same medium, per shape: the median (and range) of the
+    ratios of the runs paired by number."""
     out = []
     by = {(r["tier"], r["kib_per_token"]): r for r in rows}
     for (tier, kib), r in by.items():
@@ -323,9 +351,10 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if p is None:
             continue
         t: dict[str, Any] = {"ours": tier, "vllm": peer, "kib_per_token": kib}
-        for what in ("load_gbps", "store_gbps"):
-            a, b = _med(r, what), _med(p, what)
-            t[what.replace("_gbps", "_ratio")] = a / b if a and b else None
+        for what in ("load_gbps", "store_gbps"):  # run i of ours over run i of the peer
+            pairs = [a / b for a, b in zip(r.get(what + "_runs", ()), p.get(what + "_runs", ())) if a and b]
+            t[what.replace("_gbps", "_ratio")] = statistics.median(pairs) if pairs else None
+            t[what.replace("_gbps", "_ratio_range")] = _range(pairs)
         if peer == "obj":
             g_ours = r["load_requests_per_prefix"].get("s3_get")
             g_vllm = p["load_requests_per_prefix"].get("s3_get")
@@ -343,11 +372,11 @@ def format_result(res: dict[str, Any]) -> str:
         fl = r.get("flip") or {}
         req = r["load_requests_per_prefix"]
         rows.append([r["tier"], r["kib_per_token"], _span(r["store_gbps"]), _span(r["load_gbps"]),
-                     r["found_after_restart"], r["objects_per_prefix"],
+                     r["stored_share"], r["found_after_restart"], r["objects_per_prefix"],
                      req.get("s3_get", req.get("syscr")), lk.get("us_per_key"),
                      f"{fl.get('returned_wrong', '-')}/{fl.get('missed', '-')}/{fl.get('flipped', '-')}"])
-    out = [report.table(["tier", "KiB/tok", "store GB/s", "load GB/s", "found after restart", "objects/prefix",
-                         "load reqs/prefix", "lookup us/key", "flip wrong/missed/flipped"], rows,
+    out = [report.table(["tier", "KiB/tok", "store GB/s", "load GB/s", "stored", "found after restart",
+                         "objects/prefix", "load reqs/prefix", "lookup us/key", "flip wrong/missed/flipped"], rows,
                         title=f"vLLM tiers side by side ({res['machine']['host']}, {res['machine']['fs']})")]
     if res["churn"]:
         out.append(report.table(["tier", "capacity MiB", "written MiB", "on disk MiB", "disk/capacity"],
@@ -355,9 +384,11 @@ def format_result(res: dict[str, Any]) -> str:
                                   c["disk_bytes"] / MiB, c["disk_over_capacity"]] for c in res["churn"]],
                                 title="churn"))
     if res["targets"]:
-        out.append(report.table(["ours", "vLLM", "KiB/tok", "load x", "store x", "GETs fewer x"],
-                                [[t["ours"], t["vllm"], t["kib_per_token"], t["load_ratio"], t["store_ratio"],
-                                  t.get("get_requests_fewer_x")] for t in res["targets"]], title="ratios (medians)"))
+        out.append(report.table(
+            ["ours", "vLLM", "KiB/tok", "load x", "store x", "GETs fewer x"],
+            [[t["ours"], t["vllm"], t["kib_per_token"], _span(t["load_ratio_range"]), _span(t["store_ratio_range"]),
+              t.get("get_requests_fewer_x")] for t in res["targets"]],
+            title="ratios: run i of ours over run i of vLLM's, median (range)"))
     return "\n\n".join(out)
 
 
