@@ -25,7 +25,7 @@ def test_quick_run_compares_ours_with_vllm_fs_tier(tmp_path: Path) -> None:
     by = {r["tier"]: r for r in res["tiers"]}
     assert set(by) == {"dtkv", "fs"}
     for r in by.values():  # stored in one process, found and loaded byte-exact in another
-        assert r["found_after_restart"] == 1.0
+        assert r["stored_share"] == 1.0 and r["found_after_restart"] == 1.0
         assert r["wrong_bytes_loaded"] == 0
         assert r["load_gbps"]["min"] > 0 and r["store_gbps"]["min"] > 0
         assert r["lookup"]["keys"] == 300
@@ -39,6 +39,10 @@ def test_quick_run_compares_ours_with_vllm_fs_tier(tmp_path: Path) -> None:
     assert churn["dtkv"]["written_bytes"] >= 3 * churn["dtkv"]["capacity_bytes"]
     assert churn["dtkv"]["disk_bytes"] <= 1.25 * churn["dtkv"]["capacity_bytes"]  # the capacity holds
     assert churn["fs"]["disk_bytes"] >= churn["fs"]["written_bytes"]  # vLLM's fs tier has no capacity
+
+    (t,) = res["targets"]  # run i of ours over run i of fs: one ratio per run
+    assert t["load_ratio_range"]["min"] > 0 and t["store_ratio_range"]["min"] > 0
+    assert t["load_ratio"] == pytest.approx(by["dtkv"]["load_gbps_runs"][0] / by["fs"]["load_gbps_runs"][0])
 
     text = tiering.format_result(res)
     assert "dtkv" in text and "fs" in text and "churn" in text
