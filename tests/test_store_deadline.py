@@ -30,6 +30,7 @@ class _HeldUntilDeadline:
 
 def test_host_restore_past_its_deadline_stops_and_fails_the_rest() -> None:
     host = HostTier(64 * REC, chunk_bytes=REC, pin=False)
+    host.load_chunk_bytes = 2 * REC  # several chunks: the deadline falls between two of them
     store, pool, src, keys = stored(host, 12, seed=5, load_first_chunk_bytes=2 * REC, load_chunk_bytes=2 * REC)
     try:
         assert host.reads_in_place
@@ -48,6 +49,7 @@ def test_host_restore_past_its_deadline_stops_and_fails_the_rest() -> None:
 
 def test_restore_within_its_deadline_restores_every_chunk() -> None:
     host = HostTier(64 * REC, chunk_bytes=REC, pin=False)
+    host.load_chunk_bytes = 2 * REC
     store, pool, src, keys = stored(host, 12, seed=6, load_first_chunk_bytes=2 * REC, load_chunk_bytes=2 * REC)
     try:
         dst, ids = make_layout(64), list(range(20, 32))

@@ -23,6 +23,7 @@ class PieceTier(NamedHost):
     """An SSD stand-in read in concurrent pieces; pieces finish in reverse order; may fail some keys."""
 
     read_parallelism = 4
+    load_chunk_bytes = None  # chunked like a device tier, not like host memory
 
     def __init__(self, name: str, capacity: int) -> None:
         super().__init__(name, capacity)
@@ -325,4 +326,18 @@ def test_object_tier_restores_in_slab_sized_chunks_one_ranged_get_per_run(pool: 
         # read [0, 8) from the first, [8, 14) from the second and [14, 20) across the last two
         assert res.stages.chunks == 3
         assert CountingBackend.gets == 4
+    _all_slabs_back(pool)
+
+
+def test_a_host_restore_is_one_in_place_chunk_up_to_a_slab(pool: StagingPool) -> None:
+    """Nothing to overlap in host memory: the store's small first chunk and 2-record chunks are
+    not used for it, one chunk per staging slab is (each chunk is a hand-off to the loop and back)."""
+    host = HostTier(64 * REC, chunk_bytes=REC, pin=False)
+    store, src, keys = _filled([host], pool, 20, load_chunk_bytes=2 * REC, load_first_chunk_bytes=REC)
+    with store:
+        dst = make_layout(64)
+        res = store.load(dst, list(range(30, 50)), keys, timeout=10)
+        assert res.loaded_block_ids == list(range(30, 50))
+        assert all(block_bytes(dst, d) == block_bytes(src, s) for s, d in zip(range(1, 21), range(30, 50)))
+        assert res.stages.chunks == 3  # 20 records in slabs of 8: 7 + 7 + 6
     _all_slabs_back(pool)

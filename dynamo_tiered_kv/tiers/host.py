@@ -52,6 +52,10 @@ class HostTier(Tier):
     residency_hook: TierHook | None = None
     #: set by the store: per-block (priority, expiry) eviction honours; None: plain LRU
     retention: RetentionClasses | None = None
+    #: a restore from host memory alone is verified and scattered in place in chunks of up to a
+    #: staging slab: there is no read to overlap, and each chunk costs a hand-off to the store's
+    #: loop and back (a 15 MiB restore in three chunks waited 2.4-4.6x its memcpy)
+    load_chunk_bytes: int | None = 64 << 20
 
     def __init__(
         self,
