@@ -3,11 +3,14 @@ protected share is bounded, and the object tier keeps per-block expiry in its ma
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import xxhash
 
 from dynamo_tiered_kv.retention import YIELDED, RetentionClasses
 from dynamo_tiered_kv.testing import make_record, random_key, small_shape
@@ -163,3 +166,49 @@ async def test_object_expire_pass_drops_expired_blocks_and_their_manifest(tmp_pa
     assert tier.usage().used_bytes == 0 and not any(tier.contains(k) for k, _ in recs)
     await tier.close()
     assert not list((tmp_path / "manifests").iterdir())
+
+
+async def test_object_retention_survives_a_process_that_starts_from_the_index_snapshot(tmp_path: Path) -> None:
+    """A process that loads the namespace's index snapshot does not read the manifests older than
+    it, which carried the retention classes: the snapshot carries them instead."""
+    clock = Clock(time.time())
+    tier = await _tier(tmp_path, clock)
+    kept, plain = _recs(0, 2), _recs(50, 2)
+    for k, v in kept:
+        tier.retention.set(k, 70, clock.t + 5 * 86400, len(v))
+    tier.retention.set(plain[0][0], 40, None, len(plain[0][1]))
+    await tier.write_many((k, memoryview(v)) for k, v in kept + plain)
+    tier.retention.release([plain[0][0]])  # released after it was published: not carried on
+    assert await tier.write_snapshot()
+    await tier.close()
+    for p in (tmp_path / "manifests").iterdir():  # only the snapshot can tell now
+        m = Manifest.from_bytes(p.read_bytes())
+        assert m.retain
+        p.write_bytes(dataclasses.replace(m, retain=()).to_bytes())
+
+    other = await _tier(tmp_path, Clock(time.time()))
+    assert other.stats.snapshot_loads == 1
+    assert [other.retention.priority(k) for k, _ in kept] == [70, 70]
+    assert other.retention.get(kept[0][0]).expiry == pytest.approx(clock.t + 5 * 86400)
+    assert other.retention.priority(plain[0][0]) == 0 and other.retention.priority(plain[1][0]) == 0
+    await other.close()
+
+
+def test_snapshot_retained_section_round_trips_and_a_version_1_snapshot_still_loads() -> None:
+    from dynamo_tiered_kv.tiers.objectstore import snapshot as sn
+
+    snap = sn.Snapshot(np.zeros(0, sn.OBJ_DTYPE), {}, np.zeros(0, np.uint64), np.zeros(0, np.uint64),
+                       np.zeros(0, np.uint32), np.zeros(0, np.uint32), np.zeros(0, np.uint32), 7,
+                       retained={b"b" * 16: (30, None), b"a" * 16: (90, 1.5e9)})
+    back = sn.decode(sn.encode(snap))
+    assert back.retained == {b"a" * 16: (90, 1.5e9), b"b" * 16: (30, None)}
+    raw = bytearray(sn.encode(sn.Snapshot(*[getattr(snap, f) for f in ("objects", "odd", "k0", "k1", "obj",
+                                                                       "off", "len", "watermark_ms")])))
+    raw[8:12] = (1).to_bytes(4, "little")  # the version-1 layout is this one with no retained section
+    raw[-16:] = xxhash.xxh3_128_digest(bytes(raw[:-16]))
+    assert sn.decode(bytes(raw)).retained == {} and sn.decode(bytes(raw)).watermark_ms == 7
+    bad = bytearray(sn.encode(snap))
+    bad[8:12] = (1).to_bytes(4, "little")  # version 1 with a retained section: not trusted
+    bad[-16:] = xxhash.xxh3_128_digest(bytes(bad[:-16]))
+    with pytest.raises(sn.SnapshotError):
+        sn.decode(bytes(bad))

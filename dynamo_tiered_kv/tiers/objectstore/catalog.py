@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -271,7 +271,8 @@ class Catalog:
         return order[:int(np.searchsorted(freed, bytes_to_free)) + 1]
 
     # --- snapshots ------------------------------------------------------------------------------
-    def to_snapshot(self) -> Snapshot:
+    def to_snapshot(self, retained: Mapping[bytes, tuple[int, float | None]] | None = None) -> Snapshot:
+        """The compacted index; ``retained``: retention classes to carry, of indexed keys only."""
         self.finish()
         k0, k1, obj, off, ln = self.index.columns()
         v = self.objs.view
@@ -283,8 +284,9 @@ class Catalog:
         objects["flags"] = v["flags"][keep] & ObjectTable.ROOT
         odd = {int(remap[i]): names for i, names in self.objs.odd.items() if keep[i]}
         live = obj != DEAD
+        kept = {k: r for k, r in (retained or {}).items() if self.index.get(k) is not None}
         return Snapshot(objects, odd, k0[live], k1[live], remap[obj[live]].astype(np.uint32), off[live], ln[live],
-                        self.watermark_ms)
+                        self.watermark_ms, retained=kept)
 
     def load_snapshot(self, s: Snapshot, cutoff: float | None) -> None:
         rows = np.zeros(len(s.objects), ObjectTable.DTYPE)
@@ -293,6 +295,7 @@ class Catalog:
         self.objs = ObjectTable(rows)
         self.objs.odd = dict(s.odd)
         self.index.load_sorted(s.k0, s.k1, s.obj, s.off, s.len)
+        self.retained.update(s.retained)  # manifests ingested after it override (newest wins)
         self.watermark_ms = max(s.watermark_ms, int(rows["ms"].max()) if len(rows) else -1)
         if cutoff is not None:
             self.forget(np.flatnonzero(rows["created"] < cutoff))

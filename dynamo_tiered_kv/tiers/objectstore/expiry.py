@@ -83,6 +83,14 @@ def retain_field(cls: RetentionClasses | None, keys: list[bytes]) -> tuple[tuple
     return tuple(out)
 
 
+def retained_classes(cls: RetentionClasses | None) -> dict[bytes, tuple[int, float | None]]:
+    """Key -> (priority, expiry) of the blocks ``cls`` protects now (for the index snapshot)."""
+    if cls is None or not len(cls):
+        return {}
+    now = cls.clock()
+    return {key: (r.priority, r.expiry) for key, r in cls.items() if cls.priority(key, now) > 0}
+
+
 @dataclass
 class ExpireReport:
     blocks: int = 0  # blocks no longer served (retention expired, or in an expired object)

@@ -35,6 +35,6 @@ async def build_catalog(view: ObjectBackend, *, ttl_s: float | None, concurrency
 async def write_namespace_snapshot(view: ObjectBackend, *, ttl_s: float | None) -> int:
     """Publish ``index/snapshot.idx`` for ``view``; returns the blocks it holds."""
     cat = await build_catalog(view, ttl_s=ttl_s)
-    raw = await asyncio.to_thread(lambda: encode(cat.to_snapshot()))
+    raw = await asyncio.to_thread(lambda: encode(cat.to_snapshot(cat.retained)))  # manifests' retain fields
     await view.put_object(SNAPSHOT_NAME, raw)
     return len(cat)

@@ -50,7 +50,7 @@ from ..base import ByteRange, ReadRequest, Tier, TierCapabilities, TierUsage, ch
 from ..segments import SegmentEntry
 from .backend import ObjectBackend
 from .catalog import Catalog, Parsed, parse_manifest
-from .expiry import adopt_retention, object_ranks
+from .expiry import adopt_retention, object_ranks, retained_classes
 from .index import release_free_heap
 from .layout import SNAPSHOT_NAME, NamespaceView, manifest_after, ns_prefix
 from .manifest import MANIFEST_DIR, Manifest, ManifestError
@@ -387,7 +387,7 @@ class ObjectTier(ObjectWrites, Tier):
         if not self._ready.is_set():
             return False
         async with self._lock:
-            snap = self._cat.to_snapshot()
+            snap = self._cat.to_snapshot(retained_classes(self.retention))
         raw = await asyncio.to_thread(encode_snapshot, snap)
         await self.backend.put_object(SNAPSHOT_NAME, raw)
         self._since_snapshot = 0
