@@ -2,10 +2,11 @@
 scattered on the calling thread, several chunks in flight.
 
 * A load is cut into chunks: a small first one (decode starts after ~1 MiB has arrived, not a
-  whole chunk), then ``load_chunk_bytes`` each, or, where every block comes from tiers that name
-  their own ``load_chunk_bytes`` (the object tier: a request costs more there than the overlap
-  of small chunks gains), chunks of that size from the first; a load of at most one chunk is one chunk (nothing
-  to overlap a small first chunk with), read on the calling thread where its tier can
+  whole chunk), then ``load_chunk_bytes`` each; where every block comes from tiers that name
+  their own ``load_chunk_bytes`` (host memory: nothing to overlap; the object tier: a request
+  costs more than the overlap gains), chunks of that size (up to a slab) from the first. A load
+  of at most one chunk is one chunk (nothing to overlap a small first chunk with), read on the
+  calling thread where its tier can
   (``read_slab_now``: no hand-offs between threads). Up to ``load_depth`` chunks are read ahead,
   each into its own staging slab taken without waiting (one slab is left free for offloads).
 * Within a chunk, every run of blocks whose fastest tier is the same is cut into up to the
@@ -162,11 +163,11 @@ class ChunkReads:
         deadline = None if timeout is None else time.monotonic() + timeout
         rb = record_bytes(layout.shape)
         per_chunk = min(self._slab_bytes(layout) // rb, max(1, self.load_chunk_bytes // rb))
-        tier_chunk = self._tier_chunk_bytes(keys)
+        src = {self._fastest(k) for k in keys}
+        tier_chunk = self._tier_chunk_bytes(src)
         if tier_chunk is not None:  # a tier whose requests cost more than overlap gains: its size
             per_chunk = min(self._slab_bytes(layout) // rb, max(1, tier_chunk // rb))
         if per_chunk < n <= min(self._slab_bytes(layout), self.load_direct_bytes) // rb:
-            src = {self._fastest(k) for k in keys}
             only_ti = next(iter(src)) if len(src) == 1 else None
             if only_ti is not None and hasattr(self.tiers[only_ti], "read_slab_now"):
                 per_chunk = n
@@ -474,11 +475,11 @@ class ChunkReads:
             if abandoned:
                 self._release(rd.slab)
 
-    def _tier_chunk_bytes(self, keys: Sequence[BlockKey]) -> int | None:
-        """The chunk size every source tier of ``keys`` asks for (``load_chunk_bytes``: the object
-        tier's), the smallest if several; None when a source asks none (or a key has no source)."""
+    def _tier_chunk_bytes(self, sources: set[int | None]) -> int | None:
+        """The chunk size every tier in ``sources`` asks for (``load_chunk_bytes``: host memory's,
+        the object tier's), the smallest if several; None when one asks none (None: no source)."""
         sizes = []
-        for ti in {self._fastest(k) for k in keys}:
+        for ti in sources:
             size = None if ti is None else getattr(self.tiers[ti], "load_chunk_bytes", None)
             if not size:
                 return None
