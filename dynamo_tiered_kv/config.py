@@ -99,6 +99,11 @@ class TieredKVConfig(BaseSettings):
     load_async: bool = Field(
         True, description="restore in the background while the batch keeps decoding (vLLM WAITING_FOR_REMOTE_KVS)"
     )
+    sync_restore_max_tokens: int = Field(
+        4096, ge=0, description="with load_async: a restore of at most this many tokens on an otherwise idle engine "
+        "(no other request alive, no restore in flight) runs synchronously in the step that schedules it, which saves "
+        "the steps between its end and the request running; 0: always asynchronous"
+    )
     restore_cpu_share: float = Field(
         0.2, ge=0, le=1, description="CPU engines: while other requests run a forward, a restore's verify+scatter "
         "takes at most this share of each engine step (the forward keeps every core busy, so restore CPU stretches "

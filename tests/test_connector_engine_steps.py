@@ -61,8 +61,9 @@ class Engine:
     like ``EngineCore.step_with_batch_queue`` (a step's output is handed back after the next step
     was scheduled)."""
 
-    def __init__(self, model_dir: Path, *, load_async: bool, async_scheduling: bool = False) -> None:
-        extra = {"load_async": load_async, "host_capacity_bytes": 16 << 20, "staging_slab_bytes": 1 << 20,
+    def __init__(self, model_dir: Path, *, load_async: bool, async_scheduling: bool = False,
+                 **settings: Any) -> None:
+        extra = {**settings, "load_async": load_async, "host_capacity_bytes": 16 << 20, "staging_slab_bytes": 1 << 20,
                  "staging_slabs": 4}
         self.config = VllmConfig(
             model_config=ModelConfig(model=str(model_dir), dtype="bfloat16", seed=0, max_model_len=1024),
@@ -169,8 +170,9 @@ class Engine:
 
 
 @contextmanager
-def engine(model_dir: Path, *, load_async: bool, async_scheduling: bool = False) -> Iterator[Engine]:
-    e = Engine(model_dir, load_async=load_async, async_scheduling=async_scheduling)
+def engine(model_dir: Path, *, load_async: bool, async_scheduling: bool = False,
+           **settings: Any) -> Iterator[Engine]:
+    e = Engine(model_dir, load_async=load_async, async_scheduling=async_scheduling, **settings)
     try:
         yield e
     finally:
@@ -265,11 +267,8 @@ def test_small_restore_on_an_idle_engine_runs_in_the_step_that_schedules_it(mode
 
 def test_idle_steps_while_an_async_restore_runs_never_strand_outcomes(model_dir: Path, caplog,
                                                                        monkeypatch) -> None:
-    from dynamo_tiered_kv.connectors.vllm import scheduler
-
-    monkeypatch.setattr(scheduler, "SYNC_RESTORE_MAX_TOKENS", 0)  # async even for this small one
     caplog.set_level(logging.INFO, logger="dynamo_tiered_kv")
-    with engine(model_dir, load_async=True) as e:
+    with engine(model_dir, load_async=True, sync_restore_max_tokens=0) as e:  # async even for this small one
         _write_prefix(e)
         gate = threading.Event()
         real_load = e.store.load

@@ -18,11 +18,10 @@ def main(model: str, root: str, out_path: str) -> None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.v1.request import RequestStatus
 
-    from dynamo_tiered_kv.connectors.vllm import scheduler
     from dynamo_tiered_kv.connectors.vllm.tiny_model import synthetic_tokens
 
-    scheduler.SYNC_RESTORE_MAX_TOKENS = 0  # this small restore on an idle engine would run synchronously
-    cfg = {"host_capacity_bytes": 256 << 20, "metrics_port": None}
+    # sync_restore_max_tokens 0: this small restore on an idle engine would otherwise run synchronously
+    cfg = {"host_capacity_bytes": 256 << 20, "metrics_port": None, "sync_restore_max_tokens": 0}
     llm = LLM(model=model, dtype="bfloat16", max_model_len=4096, enforce_eager=True, seed=0, block_size=32,
               enable_prefix_caching=True, max_num_seqs=8, max_num_batched_tokens=4096,
               kv_transfer_config={"kv_connector": "TieredKVConnector",

@@ -13,7 +13,7 @@ failure with nothing valid frees the blocks and vLLM asks again). A request abor
 restore runs keeps its blocks until every worker reported it (vLLM's ``finish_requests`` delays
 the free of a ``WAITING_FOR_REMOTE_KVS`` request), so ``request_finished`` never has to.
 
-A small restore on an idle engine (``SYNC_RESTORE_MAX_TOKENS``) is synchronous even with
+A small restore on an idle engine (``sync_restore_max_tokens``) is synchronous even with
 ``load_async``: nothing else runs meanwhile, and the request computes in the step that restores it
 instead of two steps later. With ``load_async=False`` every load is synchronous: vLLM runs
 ``start_load_kv`` before the step's forward, and a failed block is reported through
@@ -52,13 +52,6 @@ from .rendezvous import LookupClient
 from .session_retain import ScopeMemory, plan_spec, releases_all
 
 log = logging.getLogger(__name__)
-
-#: with ``load_async``, a restore of at most this many tokens on an idle engine (no other request
-#: alive, no restore in flight) runs synchronously in the step that schedules it: nothing else is
-#: there to keep running, and it saves the steps between the restore's end and the request being
-#: runnable (one ``get_finished`` report, one more schedule). Anything larger or under load stays
-#: asynchronous, so a request arriving meanwhile waits at most one such restore. 0: never.
-SYNC_RESTORE_MAX_TOKENS = 4096
 
 
 def token_namespace(model_id: str, block_size: int, tenant_salt: str) -> Namespace:
@@ -123,7 +116,12 @@ class SchedulerRole:
         self._step = 0  # number of the last step built (TieredKVMetadata.step)
         self._reset_pending = False
         self.load_async = config.load_async
-        self.sync_restore_max_tokens = SYNC_RESTORE_MAX_TOKENS
+        # with load_async, a restore of at most this many tokens on an idle engine (no other request
+        # alive, no restore in flight) runs synchronously in the step that schedules it: nothing else
+        # is there to keep running, and it saves the steps between the restore's end and the request
+        # being runnable (one get_finished report, one more schedule). Anything larger or under load
+        # stays asynchronous, so a request arriving meanwhile waits at most one such restore.
+        self.sync_restore_max_tokens = config.sync_restore_max_tokens
         self._async: dict[str, _AsyncLoad] = {}  # asynchronous loads not yet reported finished
         self._orphans: list[LoadSpec] = []  # async loads of requests finished before they were sent
         self.hint_stats = HintStats()
