@@ -66,6 +66,18 @@ def _filled(tiers, pool, n, **kw):
     return store, src, keys
 
 
+def _load_back(store, src, keys, first_dst: int = 30):
+    """Load every key into engine blocks from ``first_dst`` on; all restored, byte for byte the
+    offloaded blocks 1..n. Returns the ``LoadResult``."""
+    n = len(keys)
+    dst, ids = make_layout(64), list(range(first_dst, first_dst + n))
+    res = store.load(dst, ids, keys, timeout=10)
+    assert res.loaded_block_ids == ids
+    for s, d in zip(range(1, n + 1), ids, strict=True):
+        assert block_bytes(src, s) == block_bytes(dst, d)
+    return res
+
+
 def test_pieces_keep_order_and_stages_are_reported(pool: StagingPool, monkeypatch) -> None:
     monkeypatch.setattr(sr, "MIN_PIECE_BYTES", REC)  # tiny records: let every run split
     ssd = PieceTier("ssd", 64 * REC)
@@ -96,11 +108,7 @@ def test_a_load_of_at_most_one_chunk_is_one_chunk_and_one_ssd_read(pool: Staging
     store, src, keys = _filled([ssd], pool, 6, load_chunk_bytes=8 * REC, load_first_chunk_bytes=2 * REC)
     with store:
         before = ssd.io_stats["read_requests"]
-        dst = make_layout(64)
-        res = store.load(dst, list(range(30, 36)), keys, timeout=10)
-        assert res.loaded_block_ids == list(range(30, 36))
-        for s, d in zip(range(1, 7), range(30, 36), strict=True):
-            assert block_bytes(src, s) == block_bytes(dst, d)
+        res = _load_back(store, src, keys)
         assert res.stages.chunks == 1
         assert ssd.io_stats["read_requests"] - before == 1  # the records lie back to back: one preadv
     _all_slabs_back(pool)
@@ -317,11 +325,7 @@ def test_object_tier_restores_in_slab_sized_chunks_one_ranged_get_per_run(pool: 
     store, src, keys = _filled([obj], pool, 20, load_chunk_bytes=2 * REC, load_first_chunk_bytes=REC)
     with store:
         assert store.lookup(keys).num_blocks == 20
-        dst = make_layout(64)
-        res = store.load(dst, list(range(30, 50)), keys, timeout=10)
-        assert res.loaded_block_ids == list(range(30, 50))
-        for s, d in zip(range(1, 21), range(30, 50), strict=True):
-            assert block_bytes(src, s) == block_bytes(dst, d)
+        res = _load_back(store, src, keys)
         # offloads of 8 + 8 + 4 records made three data objects; chunks of 8, 6 and 6 records
         # read [0, 8) from the first, [8, 14) from the second and [14, 20) across the last two
         assert res.stages.chunks == 3
@@ -335,9 +339,6 @@ def test_a_host_restore_is_one_in_place_chunk_up_to_a_slab(pool: StagingPool) ->
     host = HostTier(64 * REC, chunk_bytes=REC, pin=False)
     store, src, keys = _filled([host], pool, 20, load_chunk_bytes=2 * REC, load_first_chunk_bytes=REC)
     with store:
-        dst = make_layout(64)
-        res = store.load(dst, list(range(30, 50)), keys, timeout=10)
-        assert res.loaded_block_ids == list(range(30, 50))
-        assert all(block_bytes(dst, d) == block_bytes(src, s) for s, d in zip(range(1, 21), range(30, 50)))
+        res = _load_back(store, src, keys)
         assert res.stages.chunks == 3  # 20 records in slabs of 8: 7 + 7 + 6
     _all_slabs_back(pool)

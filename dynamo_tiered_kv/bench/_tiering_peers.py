@@ -231,13 +231,18 @@ def phase_load(spec: dict[str, Any], manager: Any, tier: Any) -> dict[str, Any]:
 def phase_lookup(spec: dict[str, Any], manager: Any, tier: Any) -> dict[str, Any]:
     """The tier's own ``lookup`` for ``lookup_keys`` keys (the stored ones first), stepped until
     every key is HIT or MISS (vLLM's async lookups answer RETRY until their thread has looked)."""
-    chunks, tag = spec["chunks_per_prefix"], spec["tag"]
-    keys = [k for p in range(spec["prefixes"]) for k in prefix_keys(p, chunks, tag)]
-    keys += prefix_keys(10**6, spec["lookup_keys"] - len(keys), tag + "-absent")
+    keys = run_keys(spec)
+    keys += prefix_keys(10**6, spec["lookup_keys"] - len(keys), spec["tag"] + "-absent")
     t0 = time.perf_counter()
     hits, rounds = _hits(manager, tier, keys, "lookup")
     took = time.perf_counter() - t0
     return {"keys": len(keys), "hits": hits, "lookup_s": took, "rounds": rounds}
+
+
+def run_keys(spec: dict[str, Any]) -> list[bytes]:
+    """Every chunk key of a run's prefixes, in order."""
+    first, chunks = spec.get("first_prefix", 0), spec["chunks_per_prefix"]
+    return [k for p in range(first, first + spec["prefixes"]) for k in prefix_keys(p, chunks, spec["tag"])]
 
 
 def _hits(manager: Any, tier: Any, keys: list[Any], req_id: str) -> tuple[int, int]:
@@ -296,10 +301,7 @@ def phase_runs(spec: dict[str, Any], manager: Any, tier: Any) -> dict[str, Any]:
         res["s3_requests"] = {k: rgw1[k] - rgw0.get(k, 0) for k in rgw1}
         res["page_cache_dropped"] = dropped
         if spec["phase"] == "store":  # what the tier holds before the process exits (failed jobs: not)
-            res["stored"] = _hits(manager, tier, [k for p in range(run.get("first_prefix", 0),
-                                                                    run.get("first_prefix", 0) + run["prefixes"])
-                                                  for k in prefix_keys(p, run["chunks_per_prefix"], run["tag"])],
-                                  "stored")[0]
+            res["stored"] = _hits(manager, tier, run_keys(run), "stored")[0]
         out["runs"].append(res)
     return out
 

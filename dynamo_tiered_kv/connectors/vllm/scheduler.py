@@ -116,11 +116,8 @@ class SchedulerRole:
         self._step = 0  # number of the last step built (TieredKVMetadata.step)
         self._reset_pending = False
         self.load_async = config.load_async
-        # with load_async, a restore of at most this many tokens on an idle engine (no other request
-        # alive, no restore in flight) runs synchronously in the step that schedules it: nothing else
-        # is there to keep running, and it saves the steps between the restore's end and the request
-        # being runnable (one get_finished report, one more schedule). Anything larger or under load
-        # stays asynchronous, so a request arriving meanwhile waits at most one such restore.
+        # larger restores, or any under load, stay asynchronous: a request arriving meanwhile waits
+        # at most one synchronous restore (restore_is_async)
         self.sync_restore_max_tokens = config.sync_restore_max_tokens
         self._async: dict[str, _AsyncLoad] = {}  # asynchronous loads not yet reported finished
         self._orphans: list[LoadSpec] = []  # async loads of requests finished before they were sent

@@ -24,7 +24,6 @@ a wrong checksum raises ``SnapshotError``: the loader ignores it and lists every
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import struct
@@ -80,9 +79,12 @@ async def fetch(backend: ObjectBackend, name: str) -> np.ndarray | None:
 
 def encode(s: Snapshot) -> bytes:
     odd = json.dumps({str(k): list(v) for k, v in s.odd.items()}, separators=(",", ":")).encode()
-    ret = np.zeros(len(s.retained), RET_DTYPE)
-    for i, (key, (prio, expiry)) in enumerate(sorted(s.retained.items())):
-        ret[i] = (np.frombuffer(key, np.uint8), prio, math.nan if expiry is None else expiry)
+    keys = sorted(s.retained)
+    ret = np.zeros(len(keys), RET_DTYPE)
+    if keys:
+        ret["key"] = np.frombuffer(b"".join(keys), np.uint8).reshape(-1, 16)
+        ret["prio"] = [s.retained[k][0] for k in keys]
+        ret["expiry"] = [math.nan if (x := s.retained[k][1]) is None else x for k in keys]
     parts = [
         _HEADER.pack(MAGIC, VERSION, _HEADER.size, len(s.objects), len(s.k0), s.watermark_ms,
                      s.written_at or time.time(), len(odd), len(ret)),
@@ -123,23 +125,28 @@ def decode(raw: bytes | bytearray | memoryview | np.ndarray) -> Snapshot:
     ln = np.frombuffer(mv, "<u4", n_blk, pos).astype(np.uint32)
     pos += n_blk * 4
     retained = _retained(np.frombuffer(mv, RET_DTYPE, n_ret, pos))
-    if n_blk:
-        # sorted and unique: k0 non-decreasing, and k1 increasing where k0 ties (rare: few rows)
-        tie = np.flatnonzero(k0[1:] == k0[:-1])
-        if not bool(np.all(k0[1:] >= k0[:-1])) or not bool(np.all(k1[tie + 1] > k1[tie])):
-            raise SnapshotError("snapshot keys are not sorted and unique")
-        if int(obj.max()) >= n_obj or int(off.max()) > U32_MAX:
-            raise SnapshotError("snapshot entry out of range")
+    if not _sorted_unique(k0, k1):
+        raise SnapshotError("snapshot keys are not sorted and unique")
+    if n_blk and (int(obj.max()) >= n_obj or int(off.max()) > U32_MAX):
+        raise SnapshotError("snapshot entry out of range")
     return Snapshot(np.array(objects), odd, k0, k1, obj, off.astype(np.uint32), ln, int(wm), float(written),
                     retained)
+
+
+def _sorted_unique(k0: np.ndarray, k1: np.ndarray) -> bool:
+    """Keys (as ``split_keys`` columns) strictly ascending: k0 non-decreasing, and k1 increasing
+    where k0 ties (rare: few rows)."""
+    tie = np.flatnonzero(k0[1:] == k0[:-1])
+    return bool(np.all(k0[1:] >= k0[:-1])) and bool(np.all(k1[tie + 1] > k1[tie]))
 
 
 def _retained(rows: np.ndarray) -> dict[bytes, tuple[int, float | None]]:
     if not len(rows):
         return {}
-    keys = [bytes(k) for k in rows["key"]]
-    if any(a >= b for a, b in itertools.pairwise(keys)):
+    raw = rows["key"].tobytes()
+    if not _sorted_unique(*split_keys(raw)):
         raise SnapshotError("snapshot retained keys are not sorted and unique")
+    keys = [raw[i:i + 16] for i in range(0, len(raw), 16)]
     prio, expiry = rows["prio"], rows["expiry"]
     if bool(np.any((prio < 1) | (prio > 100))) or bool(np.any(np.isinf(expiry))):
         raise SnapshotError("snapshot retention out of range")
