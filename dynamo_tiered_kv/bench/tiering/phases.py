@@ -1,8 +1,8 @@
 """One phase of ``bench tiering`` in its own process: vLLM 0.33's ``TieringOffloadingManager`` with
 its CPU primary and ONE secondary tier (ours, vLLM's ``fs`` or vLLM's ``obj``).
 
-Run as ``python -m dynamo_tiered_kv.bench._tiering_peers '<json>'`` with vLLM 0.33 first on
-``sys.path`` (``bench/tiering.py`` starts it so); the last stdout line is the phase's JSON result.
+Run as ``python -m dynamo_tiered_kv.bench.tiering.phases '<json>'`` with vLLM 0.33 first on
+``sys.path`` (``side_by_side`` starts it so); the last stdout line is the phase's JSON result.
 A phase is one process so that "stored in one process, looked up in another" is what a restart
 does, and so every load starts with nothing of the tier in this process's memory.
 
@@ -295,7 +295,9 @@ def phase_runs(spec: dict[str, Any], manager: Any, tier: Any) -> dict[str, Any]:
         run = {**spec, "tag": f"{spec['tag']}-r{i}"}
         dropped = drop_page_cache() if spec["phase"] == "load" and spec.get("drop_caches", True) else None
         io0, rgw0 = _proc_io(), rgw_counters(spec.get("rgw_admin_socket"))
+        cpu0 = time.process_time()
         res = PHASES[spec["phase"]](run, manager, tier)
+        res["cpu_s"] = time.process_time() - cpu0  # every thread of this process: the client's CPU
         io1, rgw1 = _proc_io(), rgw_counters(spec.get("rgw_admin_socket"))
         res["io"] = {k: io1[k] - io0.get(k, 0) for k in io1}
         res["s3_requests"] = {k: rgw1[k] - rgw0.get(k, 0) for k in rgw1}

@@ -15,7 +15,7 @@ requests and objects per prefix (S3: the RGW's own counters with ``--rgw-admin-s
 the process's read/write syscalls), lookup time for ``--lookup-keys`` keys, bytes on disk after
 writing ``--churn`` times a capacity, and what one flipped byte per chunk does to a load.
 
-Each phase is its own process (``_tiering_peers``), with vLLM 0.33 first on ``sys.path``
+Each phase is its own process (``phases``), with vLLM 0.33 first on ``sys.path``
 (``--vllm-path``, default ``.deps/vllm-0.33``).
 """
 
@@ -33,13 +33,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import report
+from .. import report
+from . import raw_s3
 
 GiB = 1 << 30
 MiB = 1 << 20
-CHUNK_TOKENS = 256  # _tiering_peers: 16 blocks of 16 tokens
+CHUNK_TOKENS = 256  # phases: 16 blocks of 16 tokens
 SEGMENT_SUFFIX = ".dtkv"
 HEADER = 4096  # one-layer record header (docs/FORMAT.md)
+RAW = "s3-raw"  # the S3 server's own ceiling (raw_s3), run beside the S3 tiers
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup-keys", type=int, default=10_000, help="keys in the lookup test")
     p.add_argument("--churn-capacity-mib", type=int, default=512, help="SSD capacity for the churn test")
     p.add_argument("--churn", type=float, default=4.0, help="bytes written in the churn test / capacity")
-    p.add_argument("--skip", default="", help="parts to leave out: churn,flip,lookup")
+    p.add_argument("--skip", default="", help="parts to leave out: churn,flip,lookup,raw (the S3 server's "
+                                              "ceiling: plain parallel ranged GETs of the same bytes)")
     p.add_argument("--s3-endpoint", default=os.environ.get("DTKV_S3_ENDPOINT"), help="S3 server for dtkv-s3 and obj")
     p.add_argument("--rgw-admin-socket", default=None, help="Ceph RGW admin socket: count its S3 requests")
     p.add_argument("--bucket", default="dtkv-bench-tiering", help="bucket (created if missing)")
@@ -67,7 +70,7 @@ def _worker(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, Any]:
            # vLLM's obj tier (AWS C++ SDK): no aws-chunked checksum trailers, which older S3 servers
            # (Ceph RGW 16) refuse with 411; our tier's aiobotocore is configured the same way
            "AWS_REQUEST_CHECKSUM_CALCULATION": "WHEN_REQUIRED", "AWS_RESPONSE_CHECKSUM_VALIDATION": "WHEN_REQUIRED"}
-    p = subprocess.run([sys.executable, "-m", "dynamo_tiered_kv.bench._tiering_peers", json.dumps(spec)],
+    p = subprocess.run([sys.executable, "-m", "dynamo_tiered_kv.bench.tiering.phases", json.dumps(spec)],
                        capture_output=True, text=True, env=env, timeout=3600)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode != 0 or not lines:
@@ -160,7 +163,7 @@ def _flip(tier: str, where: Path, args: argparse.Namespace, prefix: str, row: in
 
 def _clear(tier: str, where: Path, args: argparse.Namespace, prefix: str) -> None:
     shutil.rmtree(where, ignore_errors=True)
-    if tier not in ("dtkv-s3", "obj"):
+    if tier not in ("dtkv-s3", "obj", RAW):
         return
     s3 = _s3(args)
     try:
@@ -195,14 +198,25 @@ def _shape(args: argparse.Namespace, tiers: list[str], kib: int, plan: dict[str,
                 "chunks_per_prefix": chunks, "prefixes": prefixes, "primary_chunks": prefixes * chunks + 8,
                 "model": f"bench/kv-{kib}k", "tag": name, "runs": 1, "rgw_admin_socket": args.rgw_admin_socket}
         state[tier] = {"name": name, "where": where, "prefix": prefix, "base": base, "stored": [], "loaded": []}
+    order = list(tiers)
+    if "raw" not in skip and args.s3_endpoint and {"dtkv-s3", "obj"} & set(tiers) and raw_s3.available():
+        prefix = f"bench-{RAW}-{kib}k-{os.getpid()}"
+        report.progress("tiering", f"{RAW} {kib}k: upload {prefixes} objects of {row * chunks // MiB} MiB")
+        keys = raw_s3.upload(_s3(args), args.bucket, prefix, prefixes, row * chunks)
+        state[RAW] = {"name": f"{RAW}-{kib}k", "where": args.dir.resolve() / RAW, "prefix": prefix, "keys": keys,
+                      "base": {"prefixes": prefixes}, "loaded": []}
+        order.append(RAW)
     for i in range(plan["runs"]):
-        for tier in tiers if i % 2 == 0 else tiers[::-1]:
+        for tier in order if i % 2 == 0 else order[::-1]:
             st = state.get(tier)
             if st is None:  # failed in an earlier run
                 continue
-            report.progress("tiering", f"{st['name']} run {i + 1}/{plan['runs']}: store {prefixes} prefixes of "
-                                       f"{chunks} chunks, then load them in a new process")
             try:
+                if tier == RAW:
+                    st["loaded"].append(raw_s3.read_run(_s3(args), args.bucket, st["keys"], row * chunks))
+                    continue
+                report.progress("tiering", f"{st['name']} run {i + 1}/{plan['runs']}: store {prefixes} prefixes "
+                                           f"of {chunks} chunks, then load them in a new process")
                 st["stored"].append(_worker(args, {**st["base"], "phase": "store", "first_run": i}))
                 st["loaded"].append(_worker(args, {**st["base"], "phase": "load", "first_run": i,
                                                    "lookup_keys": lookup_keys if i == 0 else 0}))
@@ -211,7 +225,21 @@ def _shape(args: argparse.Namespace, tiers: list[str], kib: int, plan: dict[str,
                 report.progress("tiering", f"{tier} {kib} KiB/token failed: {str(e)[-500:]}")
                 _clear(tier, st["where"], args, st["prefix"])
                 del state[tier]
-    return [_summarize(args, tier, kib, plan, skip, st) for tier, st in state.items()]
+    rows = [_summarize(args, tier, kib, plan, skip, st) for tier, st in state.items() if tier != RAW]
+    if RAW in state:
+        rows.append(_summarize_raw(args, kib, state[RAW]))
+    return rows
+
+
+def _summarize_raw(args: argparse.Namespace, kib: int, st: dict[str, Any]) -> dict[str, Any]:
+    """The S3 server's ceiling row (``raw_s3``): load GB/s and GETs per prefix of its best shape."""
+    runs, prefixes = st["loaded"], st["base"]["prefixes"]
+    _clear(RAW, st["where"], args, st["prefix"])
+    return {"tier": RAW, "kib_per_token": kib, "prefixes_per_run": prefixes,
+            "load_gbps": _range([r["gbps"] for r in runs]), "load_gbps_runs": [r["gbps"] for r in runs],
+            "load_cpu_s_per_gb": _range([r["cpu_s"] / (r["bytes"] / 1e9) for r in runs]),
+            "load_requests_per_prefix": {"s3_get": statistics.median(r["gets"] for r in runs) / prefixes},
+            "shapes": [[{k: t[k] for k in ("piece_bytes", "parallel", "gbps")} for t in r["tries"]] for r in runs]}
 
 
 def _summarize(args: argparse.Namespace, tier: str, kib: int, plan: dict[str, Any], skip: set[str],
@@ -231,6 +259,8 @@ def _summarize(args: argparse.Namespace, tier: str, kib: int, plan: dict[str, An
         "store_gbps": _range(store_runs), "store_gbps_runs": store_runs,
         "store_jobs_gbps": _range([per_run_bytes / r["jobs_done_s"] / 1e9 for r in stored]),
         "load_gbps": _range([x for x in load_runs if x > 0]), "load_gbps_runs": load_runs,
+        # the client's CPU (every thread of the load process) per GB loaded
+        "load_cpu_s_per_gb": _range([r["cpu_s"] / (r["bytes"] / 1e9) for r in loaded if r.get("cpu_s") and r["bytes"]]),
         # of what the tier held when its writer exited (a store job may fail: vLLM keeps it uncached)
         "stored_share": sum(r["stored"] for r in stored) / (len(stored) * prefixes * chunks),
         "found_after_restart": sum(r["hits"] for r in loaded) / max(1, sum(r["stored"] for r in stored)),
@@ -352,22 +382,36 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         t: dict[str, Any] = {"ours": tier, "vllm": peer, "kib_per_token": kib}
         for what in ("load_gbps", "store_gbps"):  # run i of ours over run i of the peer
-            pairs = [a / b for a, b in zip(r.get(what + "_runs", ()), p.get(what + "_runs", ())) if a and b]
+            pairs = _paired(r, p, what)
             t[what.replace("_gbps", "_ratio")] = statistics.median(pairs) if pairs else None
             t[what.replace("_gbps", "_ratio_range")] = _range(pairs)
         if peer == "obj":
             g_ours = r["load_requests_per_prefix"].get("s3_get")
             g_vllm = p["load_requests_per_prefix"].get("s3_get")
             t["get_requests_fewer_x"] = g_vllm / g_ours if g_ours and g_vllm else None
+            raw = by.get((RAW, kib))
+            if raw is not None:  # how much of the server each uses; raw/obj bounds any client's ratio
+                for who, row in (("ours", r), ("vllm", p)):
+                    t[f"{who}_load_over_raw_range"] = _range(_paired(row, raw, "load_gbps"))
+                t["raw_over_vllm_load_range"] = _range(_paired(raw, p, "load_gbps"))
         t["goal"] = {"load_ratio": 2.0 if peer == "obj" else 1.0, "store_ratio": None if peer == "obj" else 0.9,
                      "get_requests_fewer_x": 10.0 if peer == "obj" else None}
         out.append(t)
     return out
 
 
+def _paired(a: dict[str, Any], b: dict[str, Any], what: str) -> list[float]:
+    """Run i of ``a`` over run i of ``b``."""
+    return [x / y for x, y in zip(a.get(what + "_runs", ()), b.get(what + "_runs", ())) if x and y]
+
+
 def format_result(res: dict[str, Any]) -> str:
     rows = []
     for r in res["tiers"]:
+        if r["tier"] == RAW:
+            rows.append([RAW, r["kib_per_token"], "-", _span(r["load_gbps"]), "-", "-", "-",
+                         r["load_requests_per_prefix"]["s3_get"], "-", "-"])
+            continue
         lk = r.get("lookup") or {}
         fl = r.get("flip") or {}
         req = r["load_requests_per_prefix"]
@@ -385,9 +429,11 @@ def format_result(res: dict[str, Any]) -> str:
                                 title="churn"))
     if res["targets"]:
         out.append(report.table(
-            ["ours", "vLLM", "KiB/tok", "load x", "store x", "GETs fewer x"],
+            ["ours", "vLLM", "KiB/tok", "load x", "store x", "GETs fewer x", "ours/raw", "vLLM/raw", "raw/vLLM"],
             [[t["ours"], t["vllm"], t["kib_per_token"], _span(t["load_ratio_range"]), _span(t["store_ratio_range"]),
-              t.get("get_requests_fewer_x")] for t in res["targets"]],
+              t.get("get_requests_fewer_x"), _span(t.get("ours_load_over_raw_range")),
+              _span(t.get("vllm_load_over_raw_range")), _span(t.get("raw_over_vllm_load_range"))]
+             for t in res["targets"]],
             title="ratios: run i of ours over run i of vLLM's, median (range)"))
     return "\n\n".join(out)
 
