@@ -11,7 +11,10 @@
 * ``demote(keys)``: a session is done for now: its host blocks go down to the next written tier
   (written there first if missing) and leave the host tier; their protection is released.
 * ``expire(now)``: one GC pass: blocks whose retention expired leave every tier, byte-bounded
-  (the object tier also drops objects past their TTL, ``tiers/objectstore/expiry.py``).
+  (the object tier also drops objects past their TTL, ``tiers/objectstore/expiry.py``). A tier
+  gets each batch as one ``delete_many``; the SSD tier then frees the records' disk bytes and,
+  at the end of the pass, seals its open segment if expired records lie in it, so no byte of
+  an expired block is left on disk after the pass (``tiers/ssd/reclaim.py``).
 
 Threads: ``retain`` runs on the caller's thread (the retention tables have their own locks);
 ``prefetch``/``demote`` queue work on the loop; ``expire`` runs on the loop.
@@ -278,15 +281,20 @@ class RetentionOps:
                 batch = cls.expired(when, 256)
                 if not batch:
                     break
-                for key, _ in batch:
-                    n = tier.size_of(key)
-                    try:
-                        if n is not None and await tier.delete(key):
-                            blocks += 1
-                            nbytes += n
-                            self._ttl[ti].forget([key])
-                            self._tell(ti, [key], stored=False)
-                    except Exception as e:
-                        log.warning("expiry delete from tier %s failed: %s", tier.name, e)
+                sizes = {key: n for key, _ in batch if (n := tier.size_of(key)) is not None}
+                if not sizes:
+                    continue
+                try:  # one batch: the SSD tier appends (and syncs) its tombstones once and frees the bytes
+                    blocks += await tier.delete_many(list(sizes))
+                except Exception as e:
+                    log.warning("expiry delete from tier %s failed: %s", tier.name, e)
+                    continue
+                gone = [key for key in sizes if not tier.contains(key)]
+                nbytes += sum(sizes[key] for key in gone)
+                self._ttl[ti].forget(gone)
+                self._tell(ti, gone, stored=False)
+            seal_deleted = getattr(tier, "seal_deleted", None)  # the SSD tier's open segment: free it too
+            if blocks and seal_deleted is not None:
+                await seal_deleted()
             out.blocks[tier.name], out.bytes[tier.name] = blocks, nbytes
         return out

@@ -4,6 +4,8 @@ Every record of every segment is read and fully verified (header, layer checksum
 the footer says it holds; there is no namespace here, records of any tenant pass). Rules:
 
 * a sealed segment must have a valid footer whose entries tile the data region;
+* a record a tombstone names is dead: the tier punches its blocks out (it reads as zeros) and
+  never serves it, so one that fails verification is counted as freed, not corrupt;
 * only the newest segment of a rank directory may lack a footer (open at a crash, or in use by
   a live writer). Failing bytes after its last valid record are a *torn tail*, the expected
   trace of a crash that recovery truncates: a warning, not corruption;
@@ -46,6 +48,7 @@ class FsckReport:
     sealed: int = 0
     unsealed: int = 0
     records_ok: int = 0
+    records_freed: int = 0  # tombstoned records whose bytes no longer verify (punched out)
     bytes_verified: int = 0
     tombstones: int = 0
     problems: list[Problem] = field(default_factory=list)
@@ -75,30 +78,33 @@ def fsck_dir(path: Path) -> FsckReport:
         if _in_use(rank_dir):
             report.problems.append(Problem(str(rank_dir), None, None,
                                            "in use by a live writer: its open segment may look torn", False))
+        dead = _check_tombstones(rank_dir / TOMBSTONE_FILE, report)
         newest = newest_segment(rank_dir)
         for seq, seg_path in list_segments(rank_dir):
             report.segments += 1
             try:
-                _check_segment(seg_path, seq, seq == newest, report)
+                _check_segment(seg_path, seq, seq == newest, dead, report)
             except OSError as e:
                 report.problems.append(Problem(str(seg_path), None, None,
                                                f"cannot read it (the tier quarantines it): {e}", True))
-        _check_tombstones(rank_dir / TOMBSTONE_FILE, report)
     return report
 
 
-def _check_tombstones(path: Path, report: FsckReport) -> None:
+def _check_tombstones(path: Path, report: FsckReport) -> set[tuple[int, int]]:
+    """Dead ``(seq, offset)`` locations the tombstone log names."""
     try:
         raw = read_regular(path)
     except FileNotFoundError:
-        return
+        return set()
     except OSError as e:
         report.problems.append(Problem(str(path), None, None, f"cannot read it (the tier quarantines it, so "
                                        f"deleted records may come back): {e}", True))
-        return
-    report.tombstones += len(parse_tombstones(raw))
+        return set()
+    tombs = parse_tombstones(raw)
+    report.tombstones += len(tombs)
     if len(raw) % TOMBSTONE.size:
         report.problems.append(Problem(str(path), None, None, "torn last tombstone (ignored by recovery)", False))
+    return {(s, o) for s, o, _ in tombs}
 
 
 def _in_use(rank_dir: Path) -> bool:
@@ -116,7 +122,7 @@ def _in_use(rank_dir: Path) -> bool:
         os.close(fd)
 
 
-def _check_segment(path: Path, seq: int, newest: bool, report: FsckReport) -> None:
+def _check_segment(path: Path, seq: int, newest: bool, dead: set[tuple[int, int]], report: FsckReport) -> None:
     fd = open_regular(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
@@ -136,6 +142,9 @@ def _check_segment(path: Path, seq: int, newest: bool, report: FsckReport) -> No
             try:
                 verify_record(os.pread(fd, length, off), key=key)
             except RecordError as e:
+                if (seq, off) in dead:  # deleted, its blocks freed: never served, not corruption
+                    report.records_freed += 1
+                    continue
                 report.problems.append(Problem(str(path), off, key.hex(), f"{type(e).__name__}: {e}", True))
                 continue
             report.records_ok += 1

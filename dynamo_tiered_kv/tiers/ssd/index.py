@@ -4,7 +4,9 @@ A Python ``dict[bytes, tuple]`` costs about 200 bytes per entry; this open-addre
 over flat ``array.array`` columns costs 28 bytes per row (two u64 key halves, three u32) plus
 8-16 bytes of int32 table slots per entry at a load factor of 0.25-0.5: under 64 bytes per block.
 Keys are BLAKE2b digests, so their first 8 bytes are already uniformly distributed and serve as
-the hash. Offsets and lengths are stored in 4 KiB pages (records are 4 KiB multiples).
+the hash. Offsets and lengths are stored in 4 KiB pages (records are 4 KiB multiples). A count of
+live keys per segment (one dict entry per segment, not per block) tells when a segment holds no
+live record any more.
 
 Not thread-safe: the tier guards it with its lock.
 """
@@ -39,6 +41,7 @@ class CompactIndex:
         self._mask = _MIN_SLOTS - 1
         self._count = 0
         self._occupied = 0  # live + deleted slots
+        self._per_seq: dict[int, int] = {}  # segment seq -> live keys in it
 
     def __len__(self) -> int:
         return self._count
@@ -47,6 +50,17 @@ class CompactIndex:
         """Bytes held by the index's arrays (the memory cost that the 64 B/block target is about)."""
         cols = (self._k0, self._k1, self._seg, self._off, self._len, self._free, self._table)
         return sum(a.itemsize * a.buffer_info()[1] for a in cols)
+
+    def live_in(self, seq: int) -> int:
+        """How many keys currently live in segment ``seq``."""
+        return self._per_seq.get(seq, 0)
+
+    def _counted(self, seq: int, delta: int) -> None:
+        n = self._per_seq.get(seq, 0) + delta
+        if n:
+            self._per_seq[seq] = n
+        else:
+            del self._per_seq[seq]
 
     def _find(self, k0: int, k1: int) -> tuple[int, int]:
         """(slot, row) of the key, or (insert slot, -1) when absent."""
@@ -85,6 +99,8 @@ class CompactIndex:
         if r >= 0:
             old = (self._seg[r], self._off[r] * ALIGN, self._len[r] * ALIGN)
             self._seg[r], self._off[r], self._len[r] = seq, offset // ALIGN, length // ALIGN
+            self._counted(old[0], -1)
+            self._counted(seq, 1)
             return old
         if self._free:
             r = self._free.pop()
@@ -101,6 +117,7 @@ class CompactIndex:
             self._occupied += 1
         self._table[slot] = r
         self._count += 1
+        self._counted(seq, 1)
         if self._occupied * 2 > len(self._table):
             self._rehash()
         return None
@@ -116,6 +133,7 @@ class CompactIndex:
         self._seg[r] = _DEAD_ROW
         self._free.append(r)
         self._count -= 1
+        self._counted(loc[0], -1)
         return loc
 
     def keys(self) -> Iterator[bytes]:

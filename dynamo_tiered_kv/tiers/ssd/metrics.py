@@ -24,3 +24,8 @@ DAMAGED_RECORDS = Counter("dtkv_ssd_damaged_records",
                           "Damaged regions recovery skipped in SSD segments (kept out of the index, not cut)")
 QUARANTINED = Counter("dtkv_ssd_quarantined",
                       "Unusable entries of a rank directory renamed aside so the rest is served")
+RECLAIMED_SEGMENTS = Counter("dtkv_ssd_reclaimed_segments",
+                             "Sealed segments unlinked because every record in them was deleted")
+PUNCHED_BYTES = Counter("dtkv_ssd_punched_bytes", "Bytes of deleted records freed by punching holes in segments")
+PUNCH_UNSUPPORTED = Counter("dtkv_ssd_punch_unsupported",
+                            "SSD tiers whose filesystem refused hole punching (deleted bytes wait for eviction)")

@@ -50,6 +50,7 @@ class SealingMixin:
         def _write_failed(self, seg: SegmentState, offset: int, e: OSError) -> None: ...
         def _bounce(self) -> np.ndarray: ...
         def _segment_id(self, seq: int) -> str: ...
+        def _reclaim_sync(self) -> None: ...
 
     async def seal(self) -> SealedSegment | None:
         """Seal the open segment now (None when it holds nothing)."""
@@ -105,6 +106,7 @@ class SealingMixin:
                 self.on_sealed(sealed)
             except Exception:
                 log.exception("on_sealed callback failed for %s", sealed.segment_id)
+        self._reclaim_sync()  # dead records of the segment just sealed (and any deferred before)
         return sealed
 
     def _write_footer(self, seg: SegmentState, now_ns: int) -> None:

@@ -6,7 +6,8 @@ only then does the index expose the keys. ``read_many`` looks keys up in memory,
 and reads every run of adjacent records of one segment with one request, straight into the
 caller's buffers when they are page aligned (staging slabs are), through a bounce buffer
 otherwise. A full or idle segment is sealed with a footer; eviction drops whole sealed segments,
-least recently used first. Format, crash contract and concurrency rule: docs/SSD.md.
+least recently used first; deletes free their records' bytes (``reclaim.py``). Format, crash
+contract and concurrency rule: docs/SSD.md.
 
 Threads: all mutations (append, seal, delete, evict) run on one writer thread, so appends are
 ordered; reads run in the default executor concurrently with it. ``self._lock`` guards the index
@@ -43,6 +44,7 @@ from .index import CompactIndex
 from .io import PosixIO, aligned_buffer, as_u8, select_io, write_extent
 from .quarantine import highest_quarantined_seq, open_regular, quarantine
 from .reads import BOUNCE_BYTES, ReadPathMixin
+from .reclaim import ReclaimMixin
 from .recovery import fsync_dir, load_tombstones, recover_segments
 from .sealing import SealingMixin
 from .segment import (
@@ -60,7 +62,7 @@ DEFAULT_SEGMENT_BYTES = 256 << 20
 _DEGRADING_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM, errno.EFBIG}
 
 
-class SSDTier(SegmentSourceMixin, ReadPathMixin, EvictionMixin, SealingMixin, Tier):
+class SSDTier(SegmentSourceMixin, ReadPathMixin, ReclaimMixin, EvictionMixin, SealingMixin, Tier):
     """Segment-log SSD tier. Constructor keyword arguments are its config schema.
 
     Args:
@@ -140,6 +142,7 @@ class SSDTier(SegmentSourceMixin, ReadPathMixin, EvictionMixin, SealingMixin, Ti
         self._read_bounces: list[np.ndarray] = []
         self._superseded_at_recovery: list[tuple[int, int, bytes]] = []
         self._seal_pending = False  # a seal of the open segment failed: retried by the next write or idle seal
+        self._init_reclaim()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"dtkv-ssd{rank}")
         self._stop = threading.Event()
         self._idle_thread: threading.Thread | None = None
@@ -186,6 +189,7 @@ class SSDTier(SegmentSourceMixin, ReadPathMixin, EvictionMixin, SealingMixin, Ti
                 self._disable(f"{self.rank_dir} is locked by another process (one writer per rank directory)")
                 return
             self._io = select_io(self.rank_dir, self._io_mode)
+            self._probe_fs_block()
             metrics.IO_PATH.labels(self._io.name).set(1)
             self.gds = gds_verdict()
             if self._device_io is not None:
@@ -195,6 +199,7 @@ class SSDTier(SegmentSourceMixin, ReadPathMixin, EvictionMixin, SealingMixin, Ti
             if self._superseded_at_recovery:
                 self._append_tombstones(self._superseded_at_recovery)
                 self._superseded_at_recovery = []
+            self._reclaim_sync()  # segments recovery found without a live record
         except OSError as e:
             self._disable(f"cannot use {self.rank_dir}: {e}")
             self._drop_state()  # a half-recovered index must not serve anything
@@ -216,6 +221,7 @@ class SSDTier(SegmentSourceMixin, ReadPathMixin, EvictionMixin, SealingMixin, Ti
                         self._close_fd(seg.fd)
             self._segments.clear()
             self._index.clear()
+            self._dead.clear()
             self._open = None
             self._used = 0
 
@@ -251,6 +257,7 @@ class SSDTier(SegmentSourceMixin, ReadPathMixin, EvictionMixin, SealingMixin, Ti
                     if old is not None:  # a crash beat the overwrite's tombstone: write it now,
                         superseded.append((old[0], old[1], key))  # or evicting the new copy revives this one
         self._superseded_at_recovery = superseded
+        self._note_empty_segments(r.seq for r in recovered)
         metrics.USED_BYTES.set(self._used)
         log.info("SSD tier %s: recovered %d segments, %d blocks, %d bytes; io=%s", self.rank_dir,
                  len(recovered), len(self._index), self._used, self.io_path)
@@ -447,13 +454,14 @@ class SSDTier(SegmentSourceMixin, ReadPathMixin, EvictionMixin, SealingMixin, Ti
                 self._io.sync(seg.fd)
         except OSError as e:
             self._write_failed(seg, offset, e)
-        superseded = []
+        superseded, freed = [], []
         with self._lock:
             off = offset
             for k, v in run:
                 old = self._index.put(k, seg.seq, off, v.nbytes)
                 if old is not None:
                     superseded.append((old[0], old[1], k))
+                    freed.append(old)
                 seg.entries.append((k, off, v.nbytes))
                 off += v.nbytes
             seg.data_bytes = off
@@ -463,8 +471,8 @@ class SSDTier(SegmentSourceMixin, ReadPathMixin, EvictionMixin, SealingMixin, Ti
         self._last_write = time.monotonic()
         metrics.BYTES_WRITTEN.inc(nbytes)
         metrics.USED_BYTES.set(self._used)
-        if superseded:  # old locations of rewritten keys must not come back after a restart
-            self._append_tombstones(superseded)
+        if superseded and self._append_tombstones(superseded):  # old locations must not come back after a
+            self._note_dead(freed)  # restart; their bytes are freed by the next delete batch or seal
 
     def _device_write(self, seg: SegmentState, offset: int, spans: list[DeviceSpan]) -> None:
         """GPU-direct append. A failure is the GDS path's, not the disk's: detach it and fail this
@@ -535,24 +543,30 @@ class SSDTier(SegmentSourceMixin, ReadPathMixin, EvictionMixin, SealingMixin, Ti
         return await asyncio.get_running_loop().run_in_executor(self._writer, self._delete_many_sync, batch)
 
     def _delete_many_sync(self, keys: list[bytes]) -> int:
-        """One tombstone append (one fdatasync) for the whole batch."""
+        """One tombstone append (one fdatasync) for the whole batch, then free the records' bytes."""
         locs = []
         with self._lock:
             for key in keys:
                 loc = self._index.pop(key)
                 if loc is not None:
-                    locs.append((loc[0], loc[1], key))
-        if locs:
-            self._append_tombstones(locs)
+                    locs.append((loc, key))
+        if locs and self._append_tombstones([(s, o, k) for (s, o, _), k in locs]):
+            self._note_dead(loc for loc, _ in locs)
+        self._reclaim_sync()  # also what an earlier batch had to defer
         return len(locs)
 
-    def _append_tombstones(self, locs: list[tuple[int, int, bytes]]) -> None:
+    def _append_tombstones(self, locs: list[tuple[int, int, bytes]]) -> bool:
+        """Append tombstones for ``locs``; whether they were written (synced when ``fsync``)."""
         if self._tomb_fd is None:
-            return
+            return False
         try:
             os.write(self._tomb_fd, b"".join(pack_tombstone(s, o, k) for s, o, k in locs))
             if self._fsync:
                 os.fdatasync(self._tomb_fd)
+            else:
+                self._tomb_dirty = True
         except OSError as e:  # the key is gone from memory; after a restart it may come back (still valid)
             log.error("SSD tier: cannot record %d tombstones: %s", len(locs), e)
+            return False
+        return True
 
