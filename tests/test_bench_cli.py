@@ -7,6 +7,8 @@ their own tests (test_bench_agentic.py, test_bench_restore.py).
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
 import json
 import pkgutil
 from collections.abc import Iterator
@@ -27,16 +29,29 @@ def bench_modules() -> dict[str, object]:
     for m in pkgutil.iter_modules(bench.__path__):
         if not m.name.startswith("_"):
             mod = importlib.import_module(f"{bench.__name__}.{m.name}")
-            if hasattr(mod, "run"):
+            if callable(getattr(mod, "run", None)):
                 mods[m.name] = mod
     return mods
 
 
 def test_every_bench_formats_its_result() -> None:
     mods = bench_modules()
-    assert "report" not in mods and {"codec", "ssd", "store", "s3", "gpudirect", "tiers", "agentic"} <= set(mods)
+    assert {"codec", "ssd", "store", "s3", "gpudirect", "tiers", "agentic", "restore", "interference", "sessions",
+            "sglang"} <= set(mods)
+    assert not {"report", "engine"} & set(mods)  # helpers, not benches
     missing = {name for name, m in mods.items() if not hasattr(m, "format_result")}
     assert missing <= FALLBACK
+
+
+def test_engine_session_modules_exist() -> None:
+    """The engine benches start their sessions as ``python -m <module>``: each module is there."""
+    from dynamo_tiered_kv.bench.engine import launch
+    from dynamo_tiered_kv.bench.interference import decode_latency
+    from dynamo_tiered_kv.bench.restore import marginal
+
+    default = inspect.signature(launch.run_session).parameters["module"].default
+    for name in (default, marginal.MODULE, decode_latency.MODULE):
+        assert importlib.util.find_spec(name) is not None, name
 
 
 @pytest.fixture(autouse=True)

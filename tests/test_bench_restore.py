@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_tiered_kv.bench import _restore_raw as raw
-from dynamo_tiered_kv.bench import _restore_report as report
-from dynamo_tiered_kv.bench import interference, restore
+from dynamo_tiered_kv.bench import restore
+from dynamo_tiered_kv.bench.interference import decode_latency as interference
+from dynamo_tiered_kv.bench.restore import raw, report
 
 
 def _sess(long: float, short: float, raw_s: float | None, kind: str = "odirect", stages: bool = True,

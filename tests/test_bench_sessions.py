@@ -6,8 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from dynamo_tiered_kv.bench import sessions
-from dynamo_tiered_kv.bench._sessions_trace import TraceSpec, make_trace, overlap
+from dynamo_tiered_kv.bench.sessions import replay as sessions
+from dynamo_tiered_kv.bench.sessions.trace import TraceSpec, make_trace, overlap
 
 
 def test_trace_keeps_the_agent_shape() -> None:

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from dynamo_tiered_kv.bench import step_trace
-from dynamo_tiered_kv.bench.step_trace import StepTrace, thread_group
+from dynamo_tiered_kv.bench.interference import step_trace
+from dynamo_tiered_kv.bench.interference.step_trace import StepTrace, thread_group
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/task/*/schedstat")
 

@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ._agentic_run import BENCH_SPEC, BLOCK_SIZE, kv_bytes_per_token, model_desc, run_session
+from .engine.launch import BENCH_SPEC, BLOCK_SIZE, kv_bytes_per_token, model_desc, run_session
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,5 @@
-"""``dtkv bench <path>``: each benchmark is a module ``dynamo_tiered_kv/bench/<path>.py`` with
+"""``dtkv bench <path>``: each benchmark is a module ``dynamo_tiered_kv/bench/<path>.py``, or a
+package ``dynamo_tiered_kv/bench/<path>/`` whose ``__init__`` exposes them, with
 ``add_arguments(parser)`` and ``run(args) -> dict``. ``--json`` prints that dict and nothing else
 on stdout (``--json FILE`` writes it to FILE instead); otherwise the module's
 ``format_result(result)`` tables (``bench/report.py``) are printed. Progress goes to stderr
@@ -29,7 +30,7 @@ def _add_benches(p: argparse.ArgumentParser) -> None:
         if mod.name.startswith("_"):
             continue
         m = importlib.import_module(f"{bench.__name__}.{mod.name}")
-        if not hasattr(m, "run"):  # helpers (report.py)
+        if not callable(getattr(m, "run", None)):  # helpers (report.py, engine/; a submodule named run is no bench)
             continue
         bp = paths.add_parser(mod.name, help=(m.__doc__ or "").strip().splitlines()[0])
         bp.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",

@@ -1,7 +1,7 @@
 """SGLang's own host KV pools on CPU tensors, for tests of the SGLang backend: the module
-``dtkv bench sglang`` builds them with (``dynamo_tiered_kv.bench._sglang_host``)."""
+``dtkv bench sglang`` builds them with (``dynamo_tiered_kv.bench.sglang.host``)."""
 
-from ..bench._sglang_host import (
+from ..bench.sglang.host import (
     SGLANG_VERSION,
     Sglang,
     attach,

@@ -140,7 +140,7 @@ class NixlIO(PosixIO):
     #: reads through NIXL too. Off: a restore waits on its reads, and a NIXL read adds per-transfer
     #: setup (register, initialize, release, deregister under the agent lock) and completion polling
     #: by sleeps, whose wake-ups come late on a busy CPU; a blocking preadv wakes when the device is
-    #: done. One 1 MiB read, 2-core dev VM, `python -m dynamo_tiered_kv.bench._restore_reads DIR`:
+    #: done. One 1 MiB read, 2-core dev VM, `python -m dynamo_tiered_kv.bench.restore.reads DIR`:
     #: 1.5 vs 1.2 ms at load average 11, 56 vs 6.6 ms with a restore bench running alongside
     #: (docs/BENCHMARKS.md, "Restore fixed costs").
     nixl_reads = False

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..connectors.vllm.tiny_model import TinyModelSpec
+from ...connectors.vllm.tiny_model import TinyModelSpec
 
 BLOCK_SIZE = 64
 #: Random-weight Llama shaped like Llama-3 in miniature so that prefill is not trivial on a 2-core
@@ -36,8 +36,8 @@ def model_desc(spec: TinyModelSpec = BENCH_SPEC) -> str:
 
 
 def run_session(spec: dict[str, Any], work: Path, name: str, bar: Any | None, offset: int,
-                module: str = "dynamo_tiered_kv.bench._agentic_engine") -> dict[str, Any]:
-    """Run one engine session (``module``, default ``_agentic_engine``) in a fresh process; progress feeds ``bar``.
+                module: str = "dynamo_tiered_kv.bench.engine.session") -> dict[str, Any]:
+    """Run one engine session (``module``, default ``engine.session``) in a fresh process; progress feeds ``bar``.
 
     Raises:
         RuntimeError: the session failed; the message carries the tail of its output.

@@ -23,12 +23,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..report import percentile
+from ..restore.marginal import engine_base, load_async_extra, object_tier, require_vllm, run_plan
 from . import step_trace
-from ._restore_interference import MAX_DECODE_FACTOR
-from .report import percentile
-from .restore import engine_base, load_async_extra, object_tier, require_vllm, run_plan
 
-MODULE = "dynamo_tiered_kv.bench._restore_interference"
+MODULE = "dynamo_tiered_kv.bench.interference.engine"
 TARGET = 1.2
 #: thread groups the step-trace table shows (the engine's, then the connector's restore path)
 TRACE_GROUPS = ["MainThread", "native", "dtkv-onboard", "dtkv-store", "asyncio"]
@@ -160,8 +159,11 @@ def _plan(args: argparse.Namespace, work: Path, longs: list[list[int]], obj: dic
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     require_vllm("interference")
-    from ..connectors.vllm.tiny_model import QWEN2_BENCH_SPEC, synthetic_tokens
-    from ._agentic_run import model_desc
+    from ...connectors.vllm.tiny_model import QWEN2_BENCH_SPEC, synthetic_tokens
+    from ..engine.launch import model_desc
+
+    # not at module level: the package would import the engine module before ``python -m`` runs it
+    from .engine import MAX_DECODE_FACTOR
 
     if args.quick:
         args.context, args.rounds, args.decode_tokens = min(args.context, 1024), 1, 32

@@ -1,6 +1,6 @@
 """sessions: agent sessions replayed against the real store: recency vs retention hints vs hints + prefetch.
 
-Many sessions of many turns with a growing context (``_sessions_trace``: AgentX's shape, tokens
+Many sessions of many turns with a growing context (``trace``: AgentX's shape, tokens
 scaled down) run against a real ``TieredStore`` (host tier, SSD segment files, a local-directory
 object tier), each tier far smaller than the working set, on a simulated clock (think times of
 seconds to hours; retention expiry and GC run on that clock, nothing sleeps). Every policy gets
@@ -31,17 +31,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..codec import record_bytes
-from ..hints import RetainDirective, plan_retention
-from ..keys import Namespace, chain_keys, parents_of
-from ..layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
-from ..staging import StagingPool
-from ..store import TieredStore
-from ..tiers.host import HostTier
-from ..tiers.objectstore import LocalDirBackend, ObjectTier
-from ..tiers.ssd import SSDTier
-from ._sessions_trace import Session, TraceSpec, events, make_trace, overlap
-from .report import percentile, progress, table
+from ...codec import record_bytes
+from ...hints import RetainDirective, plan_retention
+from ...keys import Namespace, chain_keys, parents_of
+from ...layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
+from ...staging import StagingPool
+from ...store import TieredStore
+from ...tiers.host import HostTier
+from ...tiers.objectstore import LocalDirBackend, ObjectTier
+from ...tiers.ssd import SSDTier
+from ..report import percentile, progress, table
+from .trace import Session, TraceSpec, events, make_trace, overlap
 
 POLICIES = ("recency", "hints", "hints+prefetch")
 BS, LAYERS, HEADS, HEAD = 16, 2, 2, 32

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import report
-from ._restore_raw import memcpy
+from .. import report
+from ..restore.raw import memcpy
 
 STORAGE_BATCH = 128  # SGLang's STORAGE_BATCH_SIZE: pages per batched storage call
 
@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from . import _sglang_host as sh
+    from . import host as sh
 
     sgl = sh.load_sglang()
     work = Path(tempfile.mkdtemp(prefix="dtkv-bench-sglang-", dir=args.dir))
@@ -80,10 +80,10 @@ def _tier_settings(tier: str, d: Path, cap: int) -> dict[str, Any]:
 
 def _raw_tier(tier: str, d: Path, cap: int) -> Any:
     if tier == "host":
-        from ..tiers.host import HostTier
+        from ...tiers.host import HostTier
 
         return HostTier(cap)
-    from ..tiers.ssd import SSDTier
+    from ...tiers.ssd import SSDTier
 
     return SSDTier(d / "raw-ssd", capacity_bytes=4 * cap, segment_bytes=256 << 20, idle_seal_s=None)
 
@@ -91,11 +91,11 @@ def _raw_tier(tier: str, d: Path, cap: int) -> Any:
 def _measure(sgl: Any, sh: Any, args: argparse.Namespace, tier: str, layout: str, d: Path) -> dict[str, Any]:
     import torch
 
-    from ..codec import encode_blocks, record_bytes
-    from ..layout import EngineLayout
-    from ..tiers.base import ReadRequest
-    from ..tiers.ssd.io import aligned_buffer
-    from ._keys import random_key
+    from ...codec import encode_blocks, record_bytes
+    from ...layout import EngineLayout
+    from ...tiers.base import ReadRequest
+    from ...tiers.ssd.io import aligned_buffer
+    from .._keys import random_key
 
     n, ps = args.pages, args.page_size
     pool = sh.mha_host_pool(sgl, layout, layers=args.layers, heads=args.heads, head_dim=args.head_dim,

@@ -1,6 +1,6 @@
 """One vLLM engine session for ``dtkv bench agentic`` / ``dtkv bench tiers``, run in its own process.
 
-``python -m dynamo_tiered_kv.bench._agentic_engine SPEC.json OUT.json``. SPEC keys:
+``python -m dynamo_tiered_kv.bench.engine.session SPEC.json OUT.json``. SPEC keys:
 
 * ``model``, ``max_model_len``, ``block_size``, ``gpu_blocks`` (``num_gpu_blocks_override``: the
   engine's own KV space, deliberately too small for every conversation at once);
@@ -63,7 +63,7 @@ def _instrument(cls: type) -> None:
 
 def _kv_transfer(spec: dict[str, Any]) -> dict[str, Any] | None:
     if spec["connector"] == "dtkv":
-        from ..connectors.vllm.connector import TieredKVConnector
+        from ...connectors.vllm.connector import TieredKVConnector
 
         _instrument(TieredKVConnector)
         return {"kv_connector": "TieredKVConnector", "kv_connector_module_path": "dynamo_tiered_kv.connectors.vllm",
@@ -94,7 +94,7 @@ class Session:
         logging.disable(logging.WARNING)
         from vllm import LLM, SamplingParams
 
-        from ..connectors.vllm.cpu_amx import request_amx_tiles
+        from ...connectors.vllm.cpu_amx import request_amx_tiles
 
         request_amx_tiles()  # every session alike, with or without a connector (see cpu_amx.py)
         kv = _kv_transfer(spec)

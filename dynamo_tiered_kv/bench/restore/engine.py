@@ -1,7 +1,7 @@
 """One engine session of ``dtkv bench restore``, run in its own process.
 
-``python -m dynamo_tiered_kv.bench._restore_engine SPEC.json OUT.json``. SPEC: the keys of
-``_agentic_engine.Session`` plus
+``python -m dynamo_tiered_kv.bench.restore.engine SPEC.json OUT.json``. SPEC: the keys of
+``engine.session.Session`` plus
 
 * ``long``, ``short``: prompts (token ids); ``store_first``: compute both once first (with the
   connector: they are stored), recorded under ``store``;
@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import _restore_raw as raw
-from ._agentic_engine import Session, _progress
+from ..engine.session import Session, _progress
+from . import raw
 
 
 class LoadTap:
@@ -79,7 +79,7 @@ class LoadTap:
 
 
 def evict(dirs: list[str]) -> None:
-    from .tiers import _evict_page_cache
+    from ..tiers import _evict_page_cache
 
     for d in dirs:
         if Path(d).exists():

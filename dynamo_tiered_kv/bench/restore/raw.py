@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..tiers.ssd.io import aligned_buffer
+from ...tiers.ssd.io import aligned_buffer
 
 ALIGN = 4096
 Extent = tuple[str, int, int]  # (file path or object name, offset, length)
@@ -120,7 +120,7 @@ class S3Raw:
 
     def read(self, extents: list[Extent], chunk: int, depth: int) -> float:
         """Seconds to GET every range of ``extents`` in ``chunk``-byte ranged GETs, ``depth`` in flight."""
-        from .s3 import _raw_get
+        from ..s3 import _raw_get
 
         parts = split(merge(extents), chunk)
 

@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import _agentic_report as report
-from ._agentic_run import BENCH_SPEC, BLOCK_SIZE, kv_bytes_per_token, model_desc, run_session, s3_extra
-from .report import key_values
+from ..engine.launch import BENCH_SPEC, BLOCK_SIZE, kv_bytes_per_token, model_desc, run_session, s3_extra
+from ..report import key_values
+from . import report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _conversations(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from ..connectors.vllm.tiny_model import synthetic_tokens
+    from ...connectors.vllm.tiny_model import synthetic_tokens
 
     v = BENCH_SPEC.vocab_size
     return [{"system": synthetic_tokens(args.system_tokens * (a + 1) // args.agents, seed=1000 + a, vocab_size=v),
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(2)
     if args.quick:
         args.agents, args.turns, args.system_tokens, args.tool_tokens = 2, 3, 2048, 512
-    from ..connectors.vllm.tiny_model import build_tiny_model
+    from ...connectors.vllm.tiny_model import build_tiny_model
 
     work: Path = args.out
     work.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from .report import percentile
+from ..report import percentile
 
 _TASKS = "/proc/self/task"
 _NUMBERED = re.compile(r"[_-]?\d+$")

@@ -1,6 +1,6 @@
 """Fixed cost of one SSD restore read: a NIXL POSIX transfer against a blocking O_DIRECT ``preadv``.
 
-``python -m dynamo_tiered_kv.bench._restore_reads DIR [--rounds 5]``: both paths read the same
+``python -m dynamo_tiered_kv.bench.restore.reads DIR [--rounds 5]``: both paths read the same
 ranges of one 64 MiB file in ``DIR`` (dropped from the page cache before every read), in
 ``--rounds`` alternating rounds, at the shapes of a restore: one 1 MiB read (a 128-token block of
 8 KiB/token), one 2 MiB read, and 15 MiB (a 2k-token prefix) as 2 MiB reads from 8 and 16
@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..tiers.ssd.io import NixlIO, PosixIO, aligned_buffer
+from ...tiers.ssd.io import NixlIO, PosixIO, aligned_buffer
 
 FILE_BYTES = 64 << 20
 SHAPES = [(1 << 20, 1 << 20, 1), (2 << 20, 2 << 20, 1), (15 << 20, 2 << 20, 8), (15 << 20, 2 << 20, 16)]

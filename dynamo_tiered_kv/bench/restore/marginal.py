@@ -42,10 +42,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._agentic_run import run_session, s3_extra
-from ._restore_report import format_tables, summarize
+from ..engine.launch import run_session, s3_extra
+from .report import format_tables, summarize
 
-MODULE = "dynamo_tiered_kv.bench._restore_engine"
+MODULE = "dynamo_tiered_kv.bench.restore.engine"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_async_extra(mode: str) -> dict[str, Any]:
     """``{"load_async": ...}`` for ``on``/``off`` where ``TieredKVConfig`` has the setting, else ``{}``."""
-    from ..config import TieredKVConfig
+    from ...config import TieredKVConfig
 
     if mode == "default" or "load_async" not in TieredKVConfig.model_fields:
         return {}
@@ -83,7 +83,7 @@ def load_async_extra(mode: str) -> dict[str, Any]:
 
 def engine_base(work: Path, context: int, block_size: int, spec: Any) -> dict[str, Any]:
     """Model built into ``work/model``; the engine spec keys shared by every session."""
-    from ..connectors.vllm.tiny_model import build_tiny_model
+    from ...connectors.vllm.tiny_model import build_tiny_model
 
     build_tiny_model(work / "model", spec)
     max_len = -(-(context + 2 * block_size) // block_size) * block_size
@@ -132,8 +132,8 @@ def run_plan(plan: list[tuple[str, dict[str, Any]]], steps: list[int], base: dic
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     require_vllm("restore")
-    from ..connectors.vllm.tiny_model import QWEN2_BENCH_SPEC, synthetic_tokens
-    from ._agentic_run import kv_bytes_per_token, model_desc
+    from ...connectors.vllm.tiny_model import QWEN2_BENCH_SPEC, synthetic_tokens
+    from ..engine.launch import kv_bytes_per_token, model_desc
 
     if args.quick:
         args.context, args.rounds, args.recompute_rounds = min(args.context, 1024), 2, 1

@@ -1,7 +1,7 @@
 """One engine session of ``dtkv bench interference``, run in its own process.
 
-``python -m dynamo_tiered_kv.bench._restore_interference SPEC.json OUT.json``. SPEC: the keys of
-``_agentic_engine.Session`` (``engine_args``: ``max_num_seqs``, ``max_num_batched_tokens``) plus
+``python -m dynamo_tiered_kv.bench.interference.engine SPEC.json OUT.json``. SPEC: the keys of
+``engine.session.Session`` (``engine_args``: ``max_num_seqs``, ``max_num_batched_tokens``) plus
 
 * ``store``: prompts computed first (with the connector: stored), outside any measurement;
 * ``restores``: long prompts requested during the decode (restored by the connector, or
@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._agentic_engine import Session, _progress
-from ._restore_engine import finish
+from ..engine.session import Session, _progress
+from ..restore.engine import finish
 from .step_trace import StepTrace
 
 #: a stream generates at most this many times ``decode_tokens`` (the engine's KV is sized for it)
@@ -42,7 +42,7 @@ def run_phase(s: Session, spec: dict[str, Any], tag: str, restores: list[list[in
               resident: bool = False, trace: StepTrace | None = None) -> dict[str, Any]:
     """Decode streams (plus ``restores`` arriving while they decode): token times and restore TTFTs.
     ``resident``: the long prompts are computed first, so their prefixes arrive in vLLM's prefix cache."""
-    from ..connectors.vllm.tiny_model import synthetic_tokens
+    from ...connectors.vllm.tiny_model import synthetic_tokens
 
     if s.store is not None:
         s.store.drain(120)
