@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_store import NS, REC, keys_for, make_layout, make_store, pool  # noqa: F401 - pool is a fixture
 
-from dynamo_tiered_kv import store as store_mod
+from dynamo_tiered_kv import store_writes
 from dynamo_tiered_kv.codec import decode_blocks, encode_blocks, record_bytes
 from dynamo_tiered_kv.deferred_encode import begin_encode
 from dynamo_tiered_kv.keys import parents_of
@@ -42,7 +42,7 @@ def test_a_failing_second_half_drops_the_batch_and_frees_the_slab(pool, monkeypa
 
         return seal
 
-    monkeypatch.setattr(store_mod, "begin_encode", failing)
+    monkeypatch.setattr(store_writes, "begin_encode", failing)
     keys = keys_for(2)
     with make_store([HostTier(64 * REC, chunk_bytes=REC, pin=False)], pool) as store:
         free = pool.free_count
