@@ -7,9 +7,9 @@ import shutil
 
 import boto3
 import pytest
+from infra.s3util import S3Server, unique_bucket
 
 from dynamo_tiered_kv.bench.tiering import raw_s3
-from infra.s3util import S3Server, unique_bucket
 
 pytest_plugins = ["infra.fixtures_s3"]
 pytestmark = pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")
