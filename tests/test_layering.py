@@ -26,7 +26,8 @@ TEST_TOOLS = {"pytest", "_pytest", "hypothesis", "moto"}
 # Engine-free: what sits below the engine adapters and the command line.
 ENGINE_FREE_EXCEPT = ("connectors", "commands", "cli", "bench", "testing", "__main__")
 MEDIUM_FREE = ("codec", "keys", "layout")
-STORE = ("store", "store_reads", "restore_stages", "lifecycle", "factory", "flush", "staging", "policy", "residency")
+STORE = ("store", "store_reads", "store_writes", "store_retention", "restore_stages", "lifecycle", "factory", "flush",
+         "staging", "policy", "residency")
 # Cycles that exist only through annotation imports (``if TYPE_CHECKING:``) are refused too: a type
 # shared by two modules belongs below both. None is known.
 KNOWN_TYPING_CYCLES: list[set[str]] = []
