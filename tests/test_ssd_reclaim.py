@@ -289,6 +289,10 @@ async def test_a_filesystem_without_hole_punching_is_reported_once(tmp_path: Pat
     assert bytes_held_by(tmp_path, {items[0][0], items[1][0]}) == 2 * len(items[0][1])  # left in place
     assert len(list_segments(_rank(tmp_path))) == 2  # emptied segments are still unlinked
     await _reads_back(t, items[2:PER_SEG] + items[2 * PER_SEG:])
+    tail = _items(2, b"open")
+    await t.write_many((k, memoryview(v)) for k, v in tail)
+    await t.delete_many([tail[0][0]])
+    assert await t.seal_deleted() is False  # sealing would free nothing without punching
     await t.close()
 
 

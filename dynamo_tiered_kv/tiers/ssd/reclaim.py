@@ -96,8 +96,8 @@ class ReclaimMixin:
 
     def _seal_deleted_sync(self) -> bool:
         seg = self._open
-        if seg is None or seg.seq not in self._dead or self.disabled_reason:
-            return False
+        if seg is None or seg.seq not in self._dead or self.disabled_reason or not self._punch_ok:
+            return False  # (without punching, sealing it would free nothing: it is the newest file)
         try:
             self._seal_sync()  # reclaims on success
         except TierUnavailable as e:

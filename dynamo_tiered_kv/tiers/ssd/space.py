@@ -13,8 +13,9 @@ from pathlib import Path
 
 from .fsck import rank_dirs_of
 from .holes import allocated_bytes, allocated_in
+from .quarantine import read_regular
 from .recovery import scan_records
-from .segment import list_segments, read_footer
+from .segment import TOMBSTONE_FILE, list_segments, parse_tombstones, read_footer
 
 
 def segment_files(root: Path) -> Iterator[Path]:
@@ -29,24 +30,35 @@ def allocated_segment_bytes(root: Path) -> int:
     return sum(allocated_bytes(p) for p in segment_files(root))
 
 
-def bytes_held_by(root: Path, keys: Collection[bytes]) -> int:
-    """Allocated bytes inside the extents of every record of ``keys`` (live or dead copies) that
-    the segment files under ``root`` still contain; a punched record counts 0."""
+def bytes_held_by(root: Path, keys: Collection[bytes], *, dead: bool = False) -> int:
+    """Allocated bytes inside the records the segment files under ``root`` still contain, of
+    ``keys`` (any copy, live or dead) and, with ``dead``, of every location the tombstone log
+    names (deleted or overwritten records); each record counts once, a punched one 0."""
     held = 0
-    for path in segment_files(root):
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:  # unlinked meanwhile
-            continue
-        try:
-            size = os.fstat(fd).st_size
-            footer = read_footer(fd, size)
-            if footer is not None:
-                ent = footer.entries
-                extents = zip(ent["key"].tolist(), ent["offset"].tolist(), ent["length"].tolist())
-            else:
-                extents = iter(scan_records(fd, size).entries)
-            held += sum(allocated_in(fd, off, n) for key, off, n in extents if key in keys)
-        finally:
-            os.close(fd)
+    for rank_dir in rank_dirs_of(root):
+        tombs = _tombstoned(rank_dir) if dead else set()
+        for seq, path in list_segments(rank_dir):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:  # unlinked meanwhile
+                continue
+            try:
+                size = os.fstat(fd).st_size
+                footer = read_footer(fd, size)
+                if footer is not None:
+                    ent = footer.entries
+                    extents = zip(ent["key"].tolist(), ent["offset"].tolist(), ent["length"].tolist())
+                else:
+                    extents = iter(scan_records(fd, size).entries)
+                held += sum(allocated_in(fd, off, n) for key, off, n in extents
+                            if key in keys or (seq, off) in tombs)
+            finally:
+                os.close(fd)
     return held
+
+
+def _tombstoned(rank_dir: Path) -> set[tuple[int, int]]:
+    try:
+        return {(s, o) for s, o, _ in parse_tombstones(read_regular(rank_dir / TOMBSTONE_FILE))}
+    except FileNotFoundError:
+        return set()
