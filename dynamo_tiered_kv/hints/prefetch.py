@@ -18,6 +18,13 @@ request's prefix. Payload::
 the first block on (``block_hashes[i]`` is request block ``i``), at least one, at most
 ``MAX_FETCH_HASHES``; ``mode`` optional. Other fields are ignored, as Dynamo's schema ignores
 them. Both actions need major version 1.
+
+What the adapters do with ``kv.fetch``: count it (``HintStats.applied``, result
+``left_to_peer``) and nothing else. It asks for a copy from one peer's memory over a
+peer-to-peer transport, which is not ours to open. What that peer wrote to the shared object
+tier every node's lookup already finds by the request's own keys; the action's hashes are the
+peer's engine hashes, which name none of our keys. A prefetch in its name would start with the
+request's own lookup and load, in the same step, and read the same objects twice.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ Prometheus names (``HintStats.register(registry)``, e.g. a store's ``StoreMetric
     hint_rejections_total{action,reason} rejected actions by reason code (a fixed set, never
                                          client text)
     hint_truncated_directives_total      kv.retain directives dropped past the per-envelope cap
+    hint_applied_total{action,result}    what an adapter did with an accepted action (prefetch:
+                                         queued, unknown_scope, empty_range, no_target;
+                                         kv.fetch: left_to_peer)
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class HintStats:
         self._actions: _Tally[tuple[str, str]] = _Tally()
         self._rejections: _Tally[tuple[str, str]] = _Tally()
         self._truncated = 0
+        self._applied: _Tally[tuple[str, str]] = _Tally()
 
     def envelope(self, outcome: str) -> None:
         with self._lock:
@@ -82,6 +86,11 @@ class HintStats:
         with self._lock:
             self._truncated += n
 
+    def applied(self, kind: str, result: str) -> None:
+        """An adapter acted on (or deliberately left) an accepted action; ``result`` is a fixed word."""
+        with self._lock:
+            self._applied[(kind, result)] += 1
+
     def envelopes(self, outcome: str) -> int:
         with self._lock:
             return self._envelopes[outcome]
@@ -98,12 +107,18 @@ class HintStats:
         with self._lock:
             return self._truncated
 
+    def applications(self, kind: str, result: str) -> int:
+        with self._lock:
+            return self._applied[(kind, result)]
+
     def register(self, registry: CollectorRegistry) -> None:
         registry.register(_HintCollector(self))
 
-    def _snapshot(self) -> tuple[dict[str, int], dict[tuple[str, str], int], dict[tuple[str, str], int], int]:
+    def _snapshot(self) -> tuple[dict[str, int], dict[tuple[str, str], int], dict[tuple[str, str], int], int,
+                                 dict[tuple[str, str], int]]:
         with self._lock:
-            return dict(self._envelopes), dict(self._actions), dict(self._rejections), self._truncated
+            return (dict(self._envelopes), dict(self._actions), dict(self._rejections), self._truncated,
+                    dict(self._applied))
 
 
 class _HintCollector(Collector):
@@ -111,7 +126,7 @@ class _HintCollector(Collector):
         self._stats = stats
 
     def collect(self) -> Iterable[CounterMetricFamily]:
-        envelopes, actions, rejections, truncated = self._stats._snapshot()
+        envelopes, actions, rejections, truncated, applied = self._stats._snapshot()
         env = CounterMetricFamily("dtkv_hint_envelopes", "KV hint envelopes read", labels=["outcome"])
         for outcome, n in envelopes.items():
             env.add_metric([outcome], n)
@@ -126,4 +141,8 @@ class _HintCollector(Collector):
         trunc = CounterMetricFamily("dtkv_hint_truncated_directives",
                                     "kv.retain directives dropped past the per-envelope cap")
         trunc.add_metric([], truncated)
-        yield from (env, act, rej, trunc)
+        app = CounterMetricFamily("dtkv_hint_applied", "what an adapter did with accepted KV hint actions",
+                                  labels=["action", "result"])
+        for (kind, result), n in applied.items():
+            app.add_metric([kind, result], n)
+        yield from (env, act, rej, trunc, app)

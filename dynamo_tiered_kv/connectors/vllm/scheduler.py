@@ -49,7 +49,7 @@ from .identity import lora_scopes
 from .load_outcomes import LoadOutcomes
 from .metadata import LoadSpec, RetainSpec, SaveSpec, StepEcho, TieredKVMetadata
 from .rendezvous import LookupClient
-from .session_retain import ScopeMemory, plan_spec, releases_all
+from .session_retain import ScopeMemory, note_fetch, plan_spec, releases_all
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,8 @@ class _Req:
     hints: RequestHints | None = None  # its KV hints (``session_retain``), read once
     final: bool = False  # its session's last request (``X-Dynamo-Session-Final``)
     retain_planned: bool = False
+    prompt: int = 0  # prompt tokens (``num_prompt_tokens``), known once retention is planned
+    retain_upto: int = 0  # blocks [0, retain_upto) have had their kv.retain planned
 
     def hashes_upto(self, n: int) -> list[bytes]:
         tokens = self.request.all_token_ids
@@ -123,7 +125,7 @@ class SchedulerRole:
         self._orphans: list[LoadSpec] = []  # async loads of requests finished before they were sent
         self.hint_stats = HintStats()
         self._retains: list[RetainSpec] = []  # KV hints for the workers, sent with the next step
-        self._scopes = ScopeMemory()  # retained sessions' blocks, for their prefetch hints
+        self._scopes = ScopeMemory(stats=self.hint_stats)  # retained sessions' blocks, for their prefetch hints
 
     def _state(self, request: Any) -> _Req:
         st = self._reqs.get(request.request_id)
@@ -173,11 +175,24 @@ class SchedulerRole:
         if st.hints is None:
             return
         self._retains += self._scopes.prefetch_specs(st.hints, self.block_size)
+        note_fetch(st.hints, self.hint_stats)
         if st.hints.retain is None:
             return
-        prompt = int(getattr(request, "num_prompt_tokens", request.num_tokens))
-        spec = plan_spec(st.hints, st.hashes_upto(prompt // self.block_size), block_size=self.block_size,
+        st.prompt = prompt = int(getattr(request, "num_prompt_tokens", request.num_tokens))
+        st.retain_upto = prompt // self.block_size
+        spec = plan_spec(st.hints, st.hashes_upto(st.retain_upto), block_size=self.block_size,
                          num_prompt_tokens=prompt)
+        if spec is not None:
+            self._retains.append(spec)
+
+    def _plan_saved_retention(self, st: _Req, full: int) -> None:
+        """kv.retain of blocks saved past those planned: generated tokens (``covers_output``)."""
+        hints = st.hints
+        if hints is None or hints.retain is None or full <= st.retain_upto:
+            return
+        spec = plan_spec(hints, st.hashes_upto(full), block_size=self.block_size, num_prompt_tokens=st.prompt,
+                         num_output_tokens=max(0, st.request.num_tokens - st.prompt), first=st.retain_upto)
+        st.retain_upto = full
         if spec is not None:
             self._retains.append(spec)
 
@@ -267,6 +282,9 @@ class SchedulerRole:
                     spec.lora_name = getattr(lora, "lora_name", None)
             meta.saves.append(spec)
             st.saved = full
+            self._plan_saved_retention(st, full)
+        meta.retains += self._retains  # those planned with this step's saves
+        self._retains = []
         return meta
 
     def _may_save(self, req_id: str, st: _Req, n_computed: int) -> bool:

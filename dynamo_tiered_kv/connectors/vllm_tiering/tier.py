@@ -23,7 +23,9 @@ Contract kept (vLLM's ``SecondaryTierManager`` runs on the scheduler thread, und
   ``close_flush_timeout_s``); what is sealed but not uploaded by then is uploaded at next start.
 * Hints: a request's ``kv_hints`` envelope is kept on its context (``RequestHints``); its
   ``kv.retain`` directives give the chunks it stores or looks up their retention class in the
-  store, and a session's final request demotes its chunks (``session_hints``).
+  store, a ``dtkv.prefetch`` queues a retained session's chunks up into the SSD, and a
+  session's final request demotes its chunks (``session_hints``). Hint counters are on the
+  store's metrics registry.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ class DynamoTieredKVTier(SecondaryTierManager):
         self.store = build_store(self.config, self.namespace, rank=rank)
         self.store.set_residency(self)
         self._hints = HintApplier(self.store, _chunk_tokens(offloading_spec))
+        self._hints.stats.register(self.store.metrics.registry)
         self._jobs = JobRunner(self.options.job_threads, f"dtkv-{tier_type}")
         self._closed = False
         log.info("vLLM secondary tier %s: %s, chunk %d bytes, namespace %s", tier_type,
