@@ -18,7 +18,13 @@ Per turn the previous context is restored (``TieredStore.load``: wall time measu
 not come back is recomputed (written back as the engine would offload it). A GC pass
 (``TieredStore.expire``) runs every ``--gc-every-s`` of simulated time and once at the end with
 the clock past every retention, after which the bytes of expired blocks left in any tier are
-counted (0 expected). Table on stdout, ``sessions.json`` and ``sessions.png`` under ``--out``.
+counted (0 expected): for the host and object tiers the logical bytes of expired blocks they
+still contain; for the SSD tier the physical bytes, i.e. the filesystem blocks still allocated
+(SEEK_DATA/SEEK_HOLE) inside any segment file's records that are either a copy of a block whose
+retention passed or dead (named by the tombstone log: in this replay SSD blocks are deleted by
+the expiry passes, so these are the blocks every earlier pass expired). The SSD segment files'
+allocated bytes (``st_blocks * 512``) before and after that last pass are reported too. Table
+on stdout, ``sessions.json`` and ``sessions.png`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from ...store import TieredStore
 from ...tiers.host import HostTier
 from ...tiers.objectstore import LocalDirBackend, ObjectTier
 from ...tiers.ssd import SSDTier
+from ...tiers.ssd.space import allocated_segment_bytes, bytes_held_by
 from ..report import percentile, progress, table
 from .trace import Session, TraceSpec, events, make_trace, overlap
 
@@ -181,9 +188,13 @@ def _replay(policy: str, trace: list[Session], args: argparse.Namespace, root: P
                 for k in ks:
                     retained.pop(k, None)
         clock.t = max([v for v in retained.values() if v != float("inf")] + [clock.t]) + 1
+        ssd_before = allocated_segment_bytes(root / "ssd")
         gc_bytes += sum(store.expire().bytes.values())
-        expired_left = {t.name: sum(t.size_of(k) or 0 for k, x in retained.items() if x <= clock.t and t.contains(k))
-                        for t in store.tiers}
+        ssd_after = allocated_segment_bytes(root / "ssd")
+        expired = {k for k, x in retained.items() if x <= clock.t}
+        expired_left = {t.name: sum(t.size_of(k) or 0 for k in expired if t.contains(k))
+                        for t in store.tiers if t.name != "ssd"}
+        expired_left["ssd"] = bytes_held_by(root / "ssd", expired, dead=True)  # physical (module docstring)
         obj = store.tiers[2]
         s3_read = obj.stats.records_read * rb  # type: ignore[attr-defined]
         yielded = sum(store.retention_of(i).yielded for i in range(3))
@@ -204,6 +215,7 @@ def _replay(policy: str, trace: list[Session], args: argparse.Namespace, root: P
         "s3_bytes_read": s3_read,
         "gc_bytes": gc_bytes,
         "expired_bytes_left": expired_left,
+        "ssd_allocated_bytes": {"before_final_gc": ssd_before, "after_final_gc": ssd_after},
         "protection_yields": yielded,
         "prefetch": vars(store.prefetch_stats),
     }
@@ -276,11 +288,14 @@ def format_result(r: dict[str, Any]) -> str:
                      f"{p['recompute_share']:.2f}", f"{p['within_retention_recomputes']}/{p['within_retention_turns']}",
                      f"{p['restore_p50_ms']:.2f}", f"{p['restore_p99_ms']:.2f}",
                      "-" if p["host_speed_ratio_p50"] is None else f"{p['host_speed_ratio_p50']:.2f}",
-                     p["s3_bytes_read"] >> 10, p["gc_bytes"] >> 10, sum(p["expired_bytes_left"].values())])
+                     p["s3_bytes_read"] >> 10, p["gc_bytes"] >> 10, sum(p["expired_bytes_left"].values()),
+                     f"{p['ssd_allocated_bytes']['before_final_gc'] >> 10} -> "
+                     f"{p['ssd_allocated_bytes']['after_final_gc'] >> 10}"])
     t = r["trace"]
     title = (f"{t['sessions']} sessions, {t['turns']} turns (median {t['median_turns']}), "
              f"{t['tokens_per_session_scaled']:.0f} tokens/session scaled, overlap {t['prefix_overlap']:.3f}, "
              f"working set {t['working_set_bytes'] >> 10} KiB; capacity KiB " +
              ", ".join(f"{k} {v >> 10}" for k, v in r["capacity_bytes"].items()))
     return table(["policy", "host", "ssd", "object", "miss", "recompute", "in-retention recomputes", "p50 ms",
-                  "p99 ms", "vs host", "S3 KiB read", "GC KiB", "expired B left"], rows, title=title)
+                  "p99 ms", "vs host", "S3 KiB read", "GC KiB", "expired B left", "SSD KiB on disk (last GC)"],
+                 rows, title=title)
