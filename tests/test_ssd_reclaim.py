@@ -334,3 +334,46 @@ async def test_tombstones_are_synced_before_a_punch_even_without_fsync(tmp_path:
     assert events[:2] == ["sync tombstones.log", "punch"]
     assert bytes_held_by(tmp_path, {items[0][0], items[2][0]}) == 0
     await t.close()
+
+
+async def test_the_flusher_is_offered_live_records_only(tmp_path: Path) -> None:
+    """A record deleted (expired, demoted) or superseded after its seal is not published, so it
+    cannot come back through the object tier; a segment left with none is not offered at all."""
+    t = await _tier(tmp_path)
+    items = _items(2 * PER_SEG)
+    await t.write_many((k, memoryview(v)) for k, v in items)
+    await t.seal()
+    await t.delete_many([items[1][0], items[3][0]])
+    await t.write_many([(items[4][0], memoryview(items[4][1]))])  # superseded by a newer copy
+    await t.seal()
+    offered = {e.key for s in t.unflushed_segments() for e in s.entries}
+    assert offered == {k for k, _ in items} - {items[1][0], items[3][0]}
+    first = t.unflushed_segments()[0]
+    assert [e.key for e in first.entries] == [items[0][0], items[2][0]]  # the newer copy of 4 is elsewhere
+
+    hook_keys: list[bytes] = []
+
+    class Hook:
+        def flushed(self, keys: list[bytes]) -> None:
+            hook_keys.extend(keys)
+
+        def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+            return lambda *a, **k: None
+
+    t.residency_hook = Hook()  # type: ignore[assignment]
+    t.mark_flushed(first.segment_id)
+    assert hook_keys == [items[0][0], items[2][0]]  # residency: only what the object tier got
+    await t.close()
+
+
+async def test_an_emptied_segment_goes_even_before_it_is_flushed(tmp_path: Path) -> None:
+    t = await _tier(tmp_path)  # unflushed segments are not evictable: a flusher is attached below
+    items = _items(2 * PER_SEG)
+    await t.write_many((k, memoryview(v)) for k, v in items)
+    await t.seal()
+    first = t.unflushed_segments()[0]
+    await t.delete_many(k for k, _ in items[:PER_SEG])
+    assert not Path(first.path).exists()  # nothing live in it: nothing owed to the object tier
+    assert first.segment_id not in {s.segment_id for s in t.unflushed_segments()}
+    await _reads_back(t, items[PER_SEG:])
+    await t.close()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..segments import SealedSegment, SegmentEntry
+from .index import CompactIndex
 from .recovery import fsync_dir
 from .segment import flushed_marker, read_footer_at
 
@@ -46,6 +47,7 @@ class SegmentSourceMixin:
     _segments: dict[int, SegmentState]
     _lock: threading.Lock
     _flusher_attached: bool
+    _index: CompactIndex
     #: set by the store (``residency.install``): told which keys reached the object tier
     residency_hook: TierHook | None = None
 
@@ -59,8 +61,17 @@ class SegmentSourceMixin:
             return None
         return self._segments.get(int(seq))
 
+    def _live(self, seq: int, entries: tuple[SegmentEntry, ...]) -> tuple[SegmentEntry, ...]:
+        """The entries whose key the index still places at that record: a record deleted (expired,
+        demoted, released) or superseded since the seal is not published, so it cannot come back
+        through the object tier."""
+        with self._lock:
+            return tuple(e for e in entries if (loc := self._index.get(e.key)) is not None
+                         and loc[0] == seq and loc[1] == e.offset)
+
     def unflushed_segments(self) -> list[SealedSegment]:
-        """Sealed segments not yet in the object tier, oldest first. Marks a flusher as attached."""
+        """Sealed segments not yet in the object tier, oldest first, each with its live records
+        only (one with none is left to reclaim). Marks a flusher as attached."""
         self._flusher_attached = True
         with self._lock:
             segs = sorted((s for s in self._segments.values() if s.sealed and not s.flushed and not s.dead),
@@ -75,7 +86,9 @@ class SegmentSourceMixin:
                 entries = s.sealed_entries = tuple(SegmentEntry(k, o, n) for k, o, n in zip(
                     footer.entries["key"].tolist(), footer.entries["offset"].tolist(),
                     footer.entries["length"].tolist()))
-            out.append(SealedSegment(self._segment_id(s.seq), s.path, s.size, entries, s.sealed_at))
+            live = self._live(s.seq, entries)
+            if live:
+                out.append(SealedSegment(self._segment_id(s.seq), s.path, s.size, live, s.sealed_at))
         return out
 
     def mark_flushed(self, segment_id: str) -> None:
@@ -101,7 +114,7 @@ class SegmentSourceMixin:
                 footer = read_footer_at(seg.path, seg.size)
                 keys = [] if footer is None else footer.entries["key"].tolist()
             else:
-                keys = [e.key for e in entries]
+                keys = [e.key for e in self._live(seg.seq, entries)]
             hook.flushed(keys)
 
     def pin_segment(self, segment_id: str) -> bool:

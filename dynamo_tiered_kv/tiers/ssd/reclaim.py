@@ -13,13 +13,13 @@ in its segment file. Once the tombstones are durable, ``ReclaimMixin`` frees the
   ``dtkv_ssd_punch_unsupported``; the bytes then wait for eviction as before.
 
 Open segments are never touched: recovery scans them record by record, and a hole would read as
-damage there. What cannot be freed yet is retried at the next delete call or seal: unlinking
-follows eviction's rule (``_evictable``: not pinned by the flusher, flushed or allowed
-unflushed); punching waits while the segment is being read (a read planned before the delete
-may still want those bytes) and, with a flusher attached, until the segment is flushed (the
-upload reads every record the footer lists). The newest segment file is punched rather than
-unlinked: recovery derives the next seq from the files, and a seq is never reused. Everything
-runs on the writer thread.
+damage there. What cannot be freed yet is retried at the next delete call or seal. An emptied
+segment is unlinked once no upload pins it, flushed or not: the flusher publishes live records
+only (``SegmentSourceMixin.unflushed_segments``), so nothing of it is owed to the object tier.
+Punching waits while the segment is being read (a read planned before the delete may still
+want those bytes) and, with a flusher attached, until the segment is flushed (the upload reads
+the whole file). The newest segment file is punched rather than unlinked: recovery derives the
+next seq from the files, and a seq is never reused. Everything runs on the writer thread.
 """
 
 from __future__ import annotations
@@ -121,7 +121,9 @@ class ReclaimMixin:
                 if not seg.sealed:
                     continue
                 empty = self._index.live_in(seq) == 0
-                if empty and seq != newest and self._evictable(seg):
+                # no live record: nothing of it is owed to the object tier (the flusher publishes
+                # live records only), so flushed or not it goes once no upload holds it
+                if empty and seq != newest and seg.pins == 0:
                     self._evict_locked(seg, [])  # no live key: nothing to pop, no hook to tell
                     del self._dead[seq]
                     unlinked.append(seg)
