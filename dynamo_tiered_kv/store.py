@@ -31,6 +31,8 @@ Shared state of the store itself, and who touches it:
   each has its own lock. ``admission`` (``policy.Admission``): engine and loading threads; its lock.
 * ``_residency`` and the tiers' hooks: replaced whole by ``set_residency`` (hooks are immutable).
 * ``_closed``: set once, under ``_close_lock``; read anywhere (a late engine call is dropped).
+* ``_condemned`` (records that failed verification, until their delete is done): marked by the
+  loading thread, cleared by the loop; single dict operations only (atomic under the GIL).
 
 A store that is never closed is closed at process exit by ``lifecycle`` (before Python stops its
 thread pools), within ``exit_timeout_s``; ``close`` and ``close_by`` are idempotent and thread-safe.
@@ -163,6 +165,9 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
         self._idle = threading.Condition(self._pending_lock)
         self._closed = False
         self._close_lock = threading.Lock()
+        #: (tier, key) of records that failed verification whose delete is not done: gone for
+        #: lookups, loads and offloads at once; set when the delete is done (``_condemn``)
+        self._condemned: dict[tuple[int, BlockKey], asyncio.Event] = {}
         self.exit_timeout_s = exit_timeout_s
         self._sweep_interval_s = sweep_interval_s
         self._close_flush_timeout_s = close_flush_timeout_s
@@ -251,8 +256,8 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
         """
         names: list[str] = []
         for k in keys:
-            for t in self.tiers:
-                if t.contains(k):
+            for ti, t in enumerate(self.tiers):
+                if self._holds(ti, k):
                     names.append(t.name)
                     break
             else:
@@ -367,14 +372,33 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
             self.metrics.observe_restore(res.stages)
         return res
 
-    async def _forget(self, ti: int, key: BlockKey) -> None:
-        """Delete a record that failed verification so lookups stop offering it."""
+    def _holds(self, ti: int, key: BlockKey) -> bool:
+        """Tier ``ti`` has a record of ``key`` that did not fail verification. Any thread."""
+        return (ti, key) not in self._condemned and self.tiers[ti].contains(key)
+
+    def _condemn(self, ti: int, key: BlockKey) -> None:
+        """Tier ``ti``'s record of ``key`` failed verification (loading thread): from now on it is
+        gone for lookups and offloads, and the loop deletes it.
+
+        Marked before this returns, because the engine saves the block it recomputes right after
+        the failed load: were the record still held then, the save would be skipped as a duplicate
+        and the delete would then leave the block stored nowhere. The fresh copy's write waits for
+        the delete (``_write_tier``), so the delete never removes it.
+        """
+        done = asyncio.Event()
+        if self._condemned.setdefault((ti, key), done) is done:  # once per record until deleted
+            self._schedule(self._forget(ti, key, done))
+
+    async def _forget(self, ti: int, key: BlockKey, done: asyncio.Event) -> None:
         try:
             if await self.tiers[ti].delete(key):
                 self._ttl[ti].forget([key])
                 self._tell(ti, [key], stored=False)
         except Exception as e:
             log.warning("could not delete corrupt block %s from tier %s: %s", key.hex(), self.tiers[ti].name, e)
+        finally:
+            del self._condemned[(ti, key)]
+            done.set()
 
     def suspend_device(self, timeout: float = 30.0) -> bool:
         """Before GPU sleep: finish accepted offloads (they may read device slabs), then deregister

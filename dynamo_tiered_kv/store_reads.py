@@ -126,6 +126,7 @@ class ChunkReads:
     _loop: asyncio.AbstractEventLoop
     _ns_digest: bytes
     _closed: bool
+    _holds: Callable[[int, BlockKey], bool]
 
     def _release(self, slab: Slab | DeviceSlab) -> None:
         raise NotImplementedError
@@ -151,7 +152,7 @@ class ChunkReads:
     async def _write_slab(self, slab, rb, plan) -> None:
         raise NotImplementedError
 
-    async def _forget(self, ti: int, key: BlockKey) -> None:
+    def _condemn(self, ti: int, key: BlockKey) -> None:
         raise NotImplementedError
 
     # --- caller side ---------------------------------------------------------------------------
@@ -362,7 +363,7 @@ class ChunkReads:
                 log.warning("block %s from tier %s failed verification (%s); recomputing", k.hex(), name, e)
                 self.metrics.checksum_failures.labels(name).inc()
                 self.metrics.misses.labels(name).inc()
-                self._schedule(self._forget(src, k))
+                self._condemn(src, k)
                 break
             hits[name] = hits.get(name, 0) + 1
             loaded.append(block_ids[start + j])
@@ -370,7 +371,7 @@ class ChunkReads:
             ok += 1
             seen = self.admission.sight(k)
             targets = [ti for ti in range(self.write_depth)
-                       if ti != src and not tiers[ti].contains(k) and self._admits(ti, seen)]
+                       if ti != src and not self._holds(ti, k) and self._admits(ti, seen)]
             if targets and promote is not None:
                 promote.append((j, k, targets))
         for name, c in hits.items():  # one metric update per chunk, not per block
@@ -513,8 +514,8 @@ class ChunkReads:
         return gate
 
     def _fastest(self, key: BlockKey) -> int | None:
-        for ti, t in enumerate(self.tiers):
-            if t.contains(key):
+        for ti in range(len(self.tiers)):
+            if self._holds(ti, key):
                 return ti
         return None
 

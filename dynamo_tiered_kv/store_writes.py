@@ -55,6 +55,8 @@ class OffloadWrites:
     _reserve_pending: Callable[[], bool]
     _finish_pending: Callable[[], None]
     _schedule: Callable[..., None]
+    _holds: Callable[[int, BlockKey], bool]
+    _condemned: dict[tuple[int, BlockKey], asyncio.Event]
     _tell: Callable[..., None]
 
     # --- offload ---------------------------------------------------------------------------
@@ -82,7 +84,7 @@ class OffloadWrites:
         for i, k in enumerate(keys):
             seen = self.admission.sight(k)
             targets = [ti for ti in range(self.write_depth)
-                       if not self.tiers[ti].contains(k) and self._admits(ti, seen)]
+                       if not self._holds(ti, k) and self._admits(ti, seen)]
             if targets:
                 todo.append((i, targets))
         if not todo:
@@ -184,6 +186,11 @@ class OffloadWrites:
 
     async def _write_tier(self, ti: int, items: list[tuple[BlockKey, memoryview | DeviceSpan]]) -> None:
         tier = self.tiers[ti]
+        if self._condemned:  # fresh copies of records that failed verification: after their delete
+            for key, _ in items:
+                done = self._condemned.get((ti, key))
+                if done is not None:
+                    await done.wait()
         t0 = time.perf_counter()
         try:
             await tier.write_many(items)
