@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from dynamo_tiered_kv.hints import BlockRetention
-from dynamo_tiered_kv.keys import parents_of
 from dynamo_tiered_kv.staging import StagingPool
 from dynamo_tiered_kv.store import TieredStore
 from dynamo_tiered_kv.tiers.host import HostTier
 from dynamo_tiered_kv.tiers.ssd import SSDTier
 from dynamo_tiered_kv.tiers.ssd.space import allocated_segment_bytes, bytes_held_by
-from tests.test_store import NS, REC, keys_for, make_layout
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = time.time()
-
-    def __call__(self) -> float:
-        return self.t
+from tests.test_store import NS, REC, keys_for
+from tests.test_store_retain_api import Clock, _offload
 
 
 @pytest.fixture
@@ -31,12 +22,6 @@ def pool() -> Iterator[StagingPool]:
     p = StagingPool(8 * REC, 4, pin=False)
     yield p
     p.close()
-
-
-def _offload(store: TieredStore, keys: list[bytes]) -> None:
-    layout = make_layout(len(keys) + 1, seed=5)
-    assert store.submit_offload(layout, list(range(1, len(keys) + 1)), keys, parents_of(keys))
-    assert store.drain(20)
 
 
 def test_one_expiry_pass_frees_every_expired_byte_on_the_ssd(pool: StagingPool, tmp_path: Path,
