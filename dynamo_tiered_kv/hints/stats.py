@@ -16,6 +16,10 @@ Prometheus names (``HintStats.register(registry)``, e.g. a store's ``StoreMetric
     hint_applied_total{action,result}    what an adapter did with an accepted action (prefetch:
                                          queued, unknown_scope, empty_range, no_target;
                                          kv.fetch: left_to_peer)
+
+Where the counting happens in another process than the registry (our vLLM connector: the
+scheduler reads hints, the workers own the stores), ``counts().since(earlier)`` is what changed,
+small and picklable, and ``HintStats.add`` adds it on the other side.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import threading
 import time
 from collections import Counter as _Tally
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
@@ -55,6 +60,49 @@ class RateLimitedLog:
         suffix = f" ({skipped} similar suppressed)" if skipped else ""
         log.warning(msg + suffix, *args)
         return True
+
+
+#: a family of ``HintCounts`` entries -> how many labels its entries carry
+_ARITY = {"envelopes": 1, "actions": 2, "rejections": 2, "truncated": 0, "applied": 2}
+
+Entry = tuple[str, tuple[str, ...], int]
+
+
+@dataclass(frozen=True)
+class HintCounts:
+    """The tallies of a ``HintStats``, or what they gained since an earlier copy (``since``).
+
+    ``entries``: ``(family, labels, count)`` with ``family`` one of ``envelopes``, ``actions``,
+    ``rejections``, ``truncated``, ``applied`` and ``labels`` the metric's label values. The label
+    values come from fixed sets, so a copy stays a few dozen entries whatever the traffic.
+    """
+
+    entries: tuple[Entry, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def since(self, earlier: HintCounts) -> HintCounts:
+        """What grew from ``earlier`` to this copy (counters only grow: nothing else is kept)."""
+        before = {(f, labels): n for f, labels, n in earlier.entries}
+        return HintCounts(tuple((f, labels, n - before.get((f, labels), 0)) for f, labels, n in self.entries
+                                if n > before.get((f, labels), 0)))
+
+
+def _valid(counts: object) -> tuple[Entry, ...] | None:
+    """``counts``' entries if every one is well formed, else None (it may come from another process)."""
+    entries = counts.entries if isinstance(counts, HintCounts) else None
+    if not isinstance(entries, tuple):
+        return None
+    for e in entries:
+        if not (isinstance(e, tuple) and len(e) == 3):
+            return None
+        family, labels, n = e
+        if (not isinstance(labels, tuple) or _ARITY.get(family) != len(labels)
+                or not all(isinstance(v, str) for v in labels)
+                or type(n) is not int or n < 0):
+            return None
+    return entries
 
 
 class HintStats:
@@ -110,6 +158,38 @@ class HintStats:
     def applications(self, kind: str, result: str) -> int:
         with self._lock:
             return self._applied[(kind, result)]
+
+    def counts(self) -> HintCounts:
+        """A copy of every tally, for ``HintCounts.since`` and another process's ``add``."""
+        envelopes, actions, rejections, truncated, applied = self._snapshot()
+        entries: list[Entry] = [("envelopes", (o,), n) for o, n in envelopes.items()]
+        entries += [("actions", k, n) for k, n in actions.items()]
+        entries += [("rejections", k, n) for k, n in rejections.items()]
+        entries += [("applied", k, n) for k, n in applied.items()]
+        if truncated:
+            entries.append(("truncated", (), truncated))
+        return HintCounts(tuple(entries))
+
+    def add(self, counts: object) -> bool:
+        """Add ``counts`` (a ``HintCounts``) to these tallies. Never raises: anything malformed is
+        ignored whole, with a rate-limited warning, and the result is False."""
+        entries = _valid(counts)
+        if entries is None:
+            self.log.warning("hint_counts", "hint counters not added: malformed %s", type(counts).__name__)
+            return False
+        with self._lock:
+            for family, labels, n in entries:
+                if family == "envelopes":
+                    self._envelopes[labels[0]] += n
+                elif family == "actions":
+                    self._actions[(labels[0], labels[1])] += n
+                elif family == "rejections":
+                    self._rejections[(labels[0], labels[1])] += n
+                elif family == "applied":
+                    self._applied[(labels[0], labels[1])] += n
+                else:
+                    self._truncated += n
+        return True
 
     def register(self, registry: CollectorRegistry) -> None:
         registry.register(_HintCollector(self))

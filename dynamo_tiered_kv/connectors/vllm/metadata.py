@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ...hints.stats import HintCounts
+
 try:  # the base classes live in vLLM; keep this module importable without it (unit tests)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 except ImportError:  # pragma: no cover - only without vLLM
@@ -76,6 +78,9 @@ class TieredKVMetadata(KVConnectorMetadata):
     idle: bool = False
     #: the scheduler's number for this step (from 1; 0: unnumbered), echoed back in ``StepEcho``
     step: int = 0
+    #: what the scheduler's hint counters gained since the last step that carried them (None:
+    #: nothing); the workers export them, having no hints of their own to count
+    hint_counts: HintCounts | None = None
 
 
 @dataclass

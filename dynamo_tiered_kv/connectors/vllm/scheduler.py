@@ -43,6 +43,7 @@ from typing import Any
 
 from ...config import TieredKVConfig
 from ...hints import HintStats, RequestHints, read_hints
+from ...hints.stats import HintCounts
 from ...keys import ROOT_KEY, Namespace, block_key, scope_salt
 from ..session_flags import session_final
 from .identity import lora_scopes
@@ -124,6 +125,7 @@ class SchedulerRole:
         self._async: dict[str, _AsyncLoad] = {}  # asynchronous loads not yet reported finished
         self._orphans: list[LoadSpec] = []  # async loads of requests finished before they were sent
         self.hint_stats = HintStats()
+        self._hints_sent = HintCounts()  # hint_stats as of the last step that carried its growth
         self._retains: list[RetainSpec] = []  # KV hints for the workers, sent with the next step
         self._scopes = ScopeMemory(stats=self.hint_stats)  # retained sessions' blocks, for their prefetch hints
 
@@ -285,7 +287,19 @@ class SchedulerRole:
             self._plan_saved_retention(st, full)
         meta.retains += self._retains  # those planned with this step's saves
         self._retains = []
+        self._send_hint_counts(meta)
         return meta
+
+    def _send_hint_counts(self, meta: TieredKVMetadata) -> None:
+        """Attach what ``hint_stats`` gained since the last step that carried any: this role has no
+        store and no /metrics, so the workers export the counters. Every step's metadata reaches
+        every worker, so nothing sent is lost; what is counted after the last step waits for
+        the next one."""
+        now = self.hint_stats.counts()
+        grown = now.since(self._hints_sent)
+        if grown:
+            meta.hint_counts = grown
+            self._hints_sent = now
 
     def _may_save(self, req_id: str, st: _Req, n_computed: int) -> bool:
         """Whether ``st`` may save this step; on a settled failure, moves ``saved`` back."""

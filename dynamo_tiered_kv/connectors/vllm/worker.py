@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ...config import TieredKVConfig
 from ...errors import LayoutMismatch
 from ...factory import build_store, check_record_fits
+from ...hints import HintStats
 from ...keys import ROOT_KEY, Namespace, engine_block_key
 from ...layout import EngineLayout
 from ...pacing import StepShare
@@ -73,6 +74,11 @@ class WorkerRole:
         self._onboard = Onboarder(self._restore, config.load_timeout_s)
         #: paces async restores' CPU verify+scatter against the forward (CPU layouts; set at registration)
         self._pacer: StepShare | None = None
+        #: the scheduler's hint counters (``TieredKVMetadata.hint_counts``), on this store's /metrics.
+        #: Every TP and PP rank gets the same metadata: only the first exports them, so a sum over
+        #: ranks counts each hint once (each DP rank has its own scheduler and its own first worker).
+        self.hint_stats = HintStats()
+        self._exports_hints = tp_rank == 0 and pp_rank == 0
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         try:
@@ -97,12 +103,21 @@ class WorkerRole:
         self.store = build_store(self.config, self.namespace, rank=rank)
         log.info("TieredKVConnector worker: layout %s %s, %d blocks, tiers %s", layout.kind.name, layout.shape,
                  layout.num_blocks, [t.name for t in self.store.tiers])
+        if self._exports_hints:
+            self._export_hint_stats(self.store)
         if self.tp_rank == 0 and self.pp_rank == 0:  # one lookup server per engine
             register_local(self.engine_key, self.lookup)
             try:
                 self._server = LookupServer(self.engine_key, self.lookup, self._authkey)
             except OSError as e:  # same-process schedulers still work through register_local
                 log.warning("lookup socket unavailable (%s); only an in-process scheduler can query", e)
+
+    def _export_hint_stats(self, store: TieredStore) -> None:
+        try:  # a failure costs the metrics, never the store
+            self.hint_stats.register(store.metrics.registry)
+        except Exception as e:
+            store.metrics.observability_failures.labels("collector").inc()
+            log.warning("hint counters not exported (%s); the store runs without them", e)
 
     def keys_of(self, token_hashes: Sequence[bytes]) -> list[bytes]:
         ns = self.namespace
@@ -118,6 +133,9 @@ class WorkerRole:
     def start_load_kv(self, meta: TieredKVMetadata) -> None:
         """Submit this step's async restores; run its synchronous loads within one ``load_timeout_s``."""
         self._failed_this_step = set()
+        counts = getattr(meta, "hint_counts", None)
+        if counts is not None and self._exports_hints:
+            self.hint_stats.add(counts)  # never raises; malformed counts are dropped
         if self._pacer is not None:
             self._pacer.step(busy=not meta.idle)
         if meta.reset_cache:
