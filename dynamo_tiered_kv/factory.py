@@ -65,6 +65,11 @@ class _FlushCollector(Collector):
         yield CounterMetricFamily("dtkv_flush_segments", "segments copied to the object tier", s.flushed_segments)
         yield CounterMetricFamily("dtkv_flush_bytes", "bytes copied to the object tier", s.flushed_bytes)
         yield CounterMetricFamily("dtkv_flush_failures", "failed upload attempts (retried)", s.failures)
+        yield CounterMetricFamily("dtkv_flush_already_stored_segments",
+                                  "sealed segments marked flushed without upload: the object tier held every record",
+                                  s.already_stored_segments)
+        yield CounterMetricFamily("dtkv_flush_already_stored_bytes", "bytes of those segments (uploads saved)",
+                                  s.already_stored_bytes)
 
 
 class _ProcessWideMetrics(Collector):

@@ -14,6 +14,18 @@ manifest (``ObjectTier.publish_segment``), then call ``mark_flushed``.
   object is ever visible half-written and a redo never duplicates data.
 * **Failures** (store down, breaker open) are counted; the segment is retried with exponential
   backoff on later scans. The flusher never blocks its callers: ``notify`` only sets an event.
+* **Already stored.** Blocks restored or prefetched from the object tier land in new SSD
+  segments. A segment whose every live record the object tier already indexes under the same
+  key and length (``ObjectTier.size_of``: its in-memory index, no I/O, safe from any thread) is
+  marked flushed without an upload and counted in ``already_stored_*``. One record the object
+  tier lacks uploads the whole file, as before.
+* **Retention.** A publish records the protected entries' priority and expiry in its manifest
+  (``retain_field``), which other nodes and restarts take over and ``dtkv gc`` honours past the
+  TTL. The object tier does not remember in memory which retention the manifest serving a key
+  carries, so a segment holding a block the object tier protects now (e.g. a ``kv.retain`` on a
+  returning session) is uploaded as before: its new manifest records the current retention.
+  A skipped segment's blocks keep the created_at of the copy that serves them, so their object
+  TTL counts from that upload, as for blocks that never left the SSD.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from .tiers.objectstore.expiry import retain_field
 from .tiers.objectstore.retry import wait_event
 from .tiers.objectstore.threads import run_in_thread
 from .tiers.objectstore.tier import ObjectTier
@@ -45,6 +58,8 @@ class FlushStats:
     flushed_bytes: int = 0
     failures: int = 0  # failed upload attempts (each is retried later)
     skipped_segments: int = 0  # segments that vanished before upload (pin refused)
+    already_stored_segments: int = 0  # marked flushed without upload: the object tier held every record
+    already_stored_bytes: int = 0  # their sizes: the uploads saved
     queue_full_events: int = 0  # scans that found the queue full (backpressure engaged)
     last_error: str = ""
 
@@ -204,8 +219,10 @@ class Flusher:
             log.warning("flusher: segment %s vanished before upload", sid)
             self._stats = replace(self._stats, skipped_segments=self._stats.skipped_segments + 1)
             return
+        stored = self._already_stored(seg)
         try:
-            await self.tier.publish_segment(seg)
+            if not stored:
+                await self.tier.publish_segment(seg)
             await run_in_thread(self.source.mark_flushed, sid)  # fsyncs: off the loop
         except asyncio.CancelledError:
             raise
@@ -223,5 +240,18 @@ class Flusher:
         self._unflushed.pop(sid, None)
         if self._flushed_meanwhile is not None:
             self._flushed_meanwhile.add(sid)
-        self._stats = replace(self._stats, flushed_segments=self._stats.flushed_segments + 1,
-                              flushed_bytes=self._stats.flushed_bytes + seg.size)
+        if stored:
+            self._stats = replace(self._stats, already_stored_segments=self._stats.already_stored_segments + 1,
+                                  already_stored_bytes=self._stats.already_stored_bytes + seg.size)
+        else:
+            self._stats = replace(self._stats, flushed_segments=self._stats.flushed_segments + 1,
+                                  flushed_bytes=self._stats.flushed_bytes + seg.size)
+
+    def _already_stored(self, seg: SealedSegment) -> bool:
+        """Whether publishing ``seg`` would add nothing: the object tier indexes every live record
+        (same key, same length) and none of them is protected, so the manifest would record no
+        retention (module docstring)."""
+        tier = self.tier
+        if not seg.entries or not all(tier.size_of(e.key) == e.length for e in seg.entries):
+            return False
+        return not retain_field(tier.retention, [e.key for e in seg.entries])
