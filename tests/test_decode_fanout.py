@@ -1,16 +1,13 @@
 """Verify+scatter fanned out over threads (``decode_fanout``): order, coverage, errors, and the
-store's unpaced loads restoring the same bytes through it; on our own pool, and on the main
-thread's OpenMP team (torch's) where there is one."""
+store's unpaced loads restoring the same bytes through it."""
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import threading
 import time
 
 import pytest
-import torch
 
 import dynamo_tiered_kv.decode_fanout as fo
 from dynamo_tiered_kv.tiers.host import HostTier
@@ -22,24 +19,6 @@ from tests.test_store import REC, NamedHost, block_bytes, make_layout
 def three_ways(monkeypatch):
     monkeypatch.setattr(fo, "WAYS", 3)
     monkeypatch.setattr(fo, "MIN_BYTES_PER_WAY", 1)
-    monkeypatch.setattr(fo, "USE_ENGINE_TEAM", False)  # our own pool (the team has its own tests below)
-
-
-@pytest.fixture
-def team(monkeypatch):
-    """Torch on a team of two OpenMP threads; yields ``omp_get_num_threads`` of its runtime."""
-    monkeypatch.setattr(fo, "WAYS", 2)
-    monkeypatch.setattr(fo, "MIN_BYTES_PER_WAY", 1)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        if fo._find_gomp_parallel() is None:
-            pytest.skip("torch runs without an OpenMP runtime here")
-        lib = ctypes.CDLL(None)  # the process's symbols: the runtime torch loaded is among them
-        lib.omp_get_num_threads.restype = ctypes.c_int
-        yield lib.omp_get_num_threads
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_ranges_cover_everything_once_in_order_on_several_threads(three_ways) -> None:
@@ -105,74 +84,4 @@ def test_unpaced_load_restores_the_same_bytes_fanned_out(tier_kind: str, three_w
         for s, d in zip(range(1, 15), range(30, 44), strict=True):
             assert block_bytes(src, s) == block_bytes(dst, d)
         assert any(n.startswith("dtkv-decode") for n in names)
-    pool.close()
-
-
-def test_main_thread_ranges_run_on_torchs_openmp_team(team) -> None:
-    calls: list[tuple[int, int, int, str]] = []
-
-    def decode(a: int, b: int) -> list[int]:
-        calls.append((a, b, team(), threading.current_thread().name))  # list.append: atomic under the GIL
-        time.sleep(0.02)
-        return list(range(a, b))
-
-    assert fo.fan_out(10, 1, decode) == list(range(10))
-    assert sorted((a, b) for a, b, *_ in calls) == [(0, 5), (5, 10)]
-    assert [n for *_, n, _ in calls] == [2, 2]  # each range inside a parallel region of two threads
-    assert not any(name.startswith("dtkv-decode") for *_, name in calls)
-
-
-def test_other_threads_keep_our_own_pool(team) -> None:
-    names: list[str] = []
-    out: list[list[int]] = []
-
-    def decode(a: int, b: int) -> list[int]:
-        names.append(threading.current_thread().name)
-        time.sleep(0.02)
-        return list(range(a, b))
-
-    t = threading.Thread(target=lambda: out.append(fo.fan_out(10, 1, decode)), name="loader")
-    t.start()
-    t.join()
-    assert out == [list(range(10))]
-    assert sorted(names)[0].startswith("dtkv-decode") and "loader" in names
-
-
-def test_an_error_on_the_team_is_raised_after_every_range_ended(team) -> None:
-    ended: list[int] = []
-
-    def decode(a: int, b: int) -> list[int]:
-        if a == 0:
-            raise RuntimeError("broken decode")
-        time.sleep(0.05)
-        ended.append(a)
-        return []
-
-    with pytest.raises(RuntimeError, match="broken decode"):
-        fo.fan_out(8, 1, decode)
-    assert ended == [4]  # the other member's range finished before fan_out raised
-
-
-def test_unpaced_main_thread_load_restores_on_the_team_and_a_bad_record_is_a_miss(team, monkeypatch) -> None:
-    teams: list[int] = []
-    real = fo.fan_out
-
-    def spy(n, rb, decode):
-        return real(n, rb, lambda a, b: (teams.append(team()), decode(a, b))[1])
-
-    import dynamo_tiered_kv.store_reads as sr
-
-    monkeypatch.setattr(sr, "fan_out", spy)
-    tier = HostTier(64 * REC, chunk_bytes=REC, pin=False)
-    store, pool, src, keys = stored(tier, 20, 9)
-    with store:
-        _, chunks = tier._index[keys[14]]
-        tier._chunks[chunks[0], REC - 100] ^= 0xFF  # a bad record in the second range
-        dst = make_layout(64)
-        res = store.load(dst, list(range(30, 50)), keys, timeout=10)
-        assert res.loaded_block_ids == list(range(30, 44)) and res.failed_block_ids == list(range(44, 50))
-        for s, d in zip(range(1, 15), range(30, 44), strict=True):
-            assert block_bytes(src, s) == block_bytes(dst, d)
-        assert block_bytes(dst, 44) != block_bytes(src, 15)  # the bad record never reached the engine
-        assert teams == [2, 2]
     pool.close()
