@@ -116,28 +116,44 @@ class HintStats:
         self._rejections: _Tally[tuple[str, str]] = _Tally()
         self._truncated = 0
         self._applied: _Tally[tuple[str, str]] = _Tally()
+        self._changes = 0  # bumped under the lock with every tally change: see ``changes``
+
+    @property
+    def changes(self) -> int:
+        """How many times the tallies changed; equal readings mean equal ``counts()`` in between.
+
+        Read without the lock: an int attribute is one atomic load, and it is bumped under the
+        lock together with its tally, so a change made before this read is in any ``counts()``
+        taken after it. A change racing with the read either shows now or in the next reading.
+        """
+        return self._changes
 
     def envelope(self, outcome: str) -> None:
         with self._lock:
             self._envelopes[outcome] += 1
+            self._changes += 1
 
     def action(self, kind: str, outcome: str, n: int = 1) -> None:
         with self._lock:
             self._actions[(kind, outcome)] += n
+            self._changes += 1
 
     def rejected(self, kind: str, reason: str) -> None:
         with self._lock:
             self._actions[(kind, "rejected")] += 1
             self._rejections[(kind, reason)] += 1
+            self._changes += 1
 
     def truncated_directives(self, n: int) -> None:
         with self._lock:
             self._truncated += n
+            self._changes += 1
 
     def applied(self, kind: str, result: str) -> None:
         """An adapter acted on (or deliberately left) an accepted action; ``result`` is a fixed word."""
         with self._lock:
             self._applied[(kind, result)] += 1
+            self._changes += 1
 
     def envelopes(self, outcome: str) -> int:
         with self._lock:
@@ -189,6 +205,7 @@ class HintStats:
                     self._applied[(labels[0], labels[1])] += n
                 else:
                     self._truncated += n
+            self._changes += 1
         return True
 
     def register(self, registry: CollectorRegistry) -> None:

@@ -126,6 +126,7 @@ class SchedulerRole:
         self._orphans: list[LoadSpec] = []  # async loads of requests finished before they were sent
         self.hint_stats = HintStats()
         self._hints_sent = HintCounts()  # hint_stats as of the last step that carried its growth
+        self._hints_seen = 0  # hint_stats.changes when _send_hint_counts last took counts()
         self._retains: list[RetainSpec] = []  # KV hints for the workers, sent with the next step
         self._scopes = ScopeMemory(stats=self.hint_stats)  # retained sessions' blocks, for their prefetch hints
 
@@ -294,7 +295,13 @@ class SchedulerRole:
         """Attach what ``hint_stats`` gained since the last step that carried any: this role has no
         store and no /metrics, so the workers export the counters. Every step's metadata reaches
         every worker, so nothing sent is lost; what is counted after the last step waits for
-        the next one."""
+        the next one. A step with no change since the last look takes no copy (most steps)."""
+        changes = self.hint_stats.changes
+        if changes == self._hints_seen:
+            return
+        # read before the copy: a count made between the two is in the copy and moves ``changes``
+        # past this reading, so the next step looks again and finds nothing new, never a loss
+        self._hints_seen = changes
         now = self.hint_stats.counts()
         grown = now.since(self._hints_sent)
         if grown:
