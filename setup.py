@@ -16,11 +16,11 @@ setup(
         Extension(
             "dynamo_tiered_kv._native._fastcodec",
             ["dynamo_tiered_kv/_native/fastcodec.c"],
-            depends=["dynamo_tiered_kv/_native/xxhash.h"],
+            depends=["dynamo_tiered_kv/_native/xxhash.h", "dynamo_tiered_kv/_native/xxh3_dispatch.h"],
             include_dirs=["dynamo_tiered_kv/_native"],
             extra_compile_args=["-O3"],
             optional=True,
         )
     ],
-    package_data={"dynamo_tiered_kv._native": ["xxhash.h", "fastcodec.c"]},
+    package_data={"dynamo_tiered_kv._native": ["xxhash.h", "xxh3_dispatch.h", "fastcodec.c"]},
 )

@@ -59,6 +59,50 @@ def test_xxh3_matches_python_random(data: bytes) -> None:
     assert fast.xxh3_64(data) == xxhash.xxh3_64_intdigest(data)
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _runnable_variants() -> list[str]:
+    return list(fast.XXH3_VARIANTS[: fast.XXH3_VARIANTS.index(fast.xxh3_variant()) + 1])
+
+
+def test_xxh3_picks_the_widest_loop_this_cpu_runs() -> None:
+    _built()
+    flags = _cpu_flags()
+    if not flags or os.uname().machine != "x86_64":
+        pytest.skip("x86-64 Linux only")
+    expect = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "baseline"
+    assert fast.xxh3_variant() == expect
+
+
+@pytest.mark.parametrize("n", [0, 1, 16, 17, 128, 129, 240, 241, 255, 256, 1023, 1024, 4096 + 3, 128 << 10, *LARGE])
+def test_every_xxh3_loop_matches_python(n: int) -> None:
+    """Each vector loop (at most the ones this CPU runs) returns the Python package's value, at
+    every boundary of XXH3's length classes and its 1 KiB stripe blocks, aligned or not."""
+    _built()
+    data = np.random.default_rng(n + 11).integers(0, 256, n + 7, dtype=np.uint8)
+    for off in (0, 7):
+        view = data[off : off + n]
+        want = xxhash.xxh3_64_intdigest(view.tobytes())
+        assert {v: fast.xxh3_64(view, v) for v in _runnable_variants()} == dict.fromkeys(_runnable_variants(), want)
+
+
+def test_xxh3_loop_this_cpu_lacks_is_refused() -> None:
+    _built()
+    if fast.xxh3_variant() == "avx512":
+        pytest.skip("this CPU runs every loop")
+    with pytest.raises(ValueError, match="does not run"):
+        fast.xxh3_64(b"x" * 1000, "avx512")
+
+
 @pytest.fixture
 def reload_fast(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     """Reload ``fast`` under patched imports; the real module state is restored afterwards."""

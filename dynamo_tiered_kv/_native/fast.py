@@ -20,6 +20,10 @@ try:
     _i64, _p = ctypes.c_int64, ctypes.c_void_p
     _lib.dtkv_xxh3_64.argtypes = [_p, ctypes.c_size_t]
     _lib.dtkv_xxh3_64.restype = ctypes.c_uint64
+    _lib.dtkv_xxh3_best.argtypes = []
+    _lib.dtkv_xxh3_best.restype = ctypes.c_int
+    _lib.dtkv_xxh3_64_variant.argtypes = [ctypes.c_int, _p, ctypes.c_size_t]
+    _lib.dtkv_xxh3_64_variant.restype = ctypes.c_uint64
     _lib.dtkv_gather_hash.argtypes = [_p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _p, _i64, _i64, _p]
     _lib.dtkv_gather_hash.restype = ctypes.c_int
     _lib.dtkv_verify_scatter.argtypes = [_p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _p]
@@ -39,10 +43,26 @@ except (ImportError, OSError, AttributeError) as e:  # no compiler at install ti
                 "slower Python path. Reinstall with a C compiler present to build it.", UNAVAILABLE_REASON)
 
 
-def xxh3_64(data: bytes | np.ndarray) -> int:
-    """XXH3-64 (seed 0) as the compiled helpers compute it; equal to ``xxhash.xxh3_64_intdigest``."""
+#: XXH3 loops the helper may run, by the index the C side uses
+XXH3_VARIANTS = ("baseline", "avx2", "avx512")
+
+
+def xxh3_variant() -> str:
+    """The XXH3 loop the helpers chose for this CPU at load (the widest it runs)."""
+    return XXH3_VARIANTS[int(_lib.dtkv_xxh3_best())]
+
+
+def xxh3_64(data: bytes | np.ndarray, variant: str | None = None) -> int:
+    """XXH3-64 (seed 0) as the compiled helpers compute it; equal to ``xxhash.xxh3_64_intdigest``.
+
+    ``variant`` (tests, benchmarks): one of ``XXH3_VARIANTS`` up to ``xxh3_variant()``."""
     buf = np.frombuffer(data, np.uint8) if isinstance(data, bytes) else np.ascontiguousarray(data).view(np.uint8)
-    return int(_lib.dtkv_xxh3_64(buf.ctypes.data, buf.nbytes))
+    if variant is None:
+        return int(_lib.dtkv_xxh3_64(buf.ctypes.data, buf.nbytes))
+    v = XXH3_VARIANTS.index(variant)
+    if v > int(_lib.dtkv_xxh3_best()):
+        raise ValueError(f"this CPU does not run the {variant} XXH3 loop (best: {xxh3_variant()})")
+    return int(_lib.dtkv_xxh3_64_variant(v, buf.ctypes.data, buf.nbytes))
 
 
 class LayerTable:

@@ -16,11 +16,17 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
-#define XXH_INLINE_ALL /* every xxHash function static and inlined: nothing exported, no clash */
-#include "xxhash.h"
+#include "xxh3_dispatch.h"
 
 /* Exported only so tests can compare this build's hash with the Python package's. */
-uint64_t dtkv_xxh3_64(const void *p, size_t n) { return XXH3_64bits(p, n); }
+uint64_t dtkv_xxh3_64(const void *p, size_t n) { return dtkv_hash(p, n); }
+
+/* For tests and benchmarks: the widest variant this CPU runs (0 baseline, 1 AVX2, 2 AVX-512),
+ * and one named variant (the baseline where the CPU lacks it). */
+int dtkv_xxh3_best(void) { return dtkv_hash_best; }
+uint64_t dtkv_xxh3_64_variant(int v, const void *p, size_t n) {
+    return (v >= 0 && v <= dtkv_hash_best ? dtkv_hash_variants[v] : hash_baseline)(p, n);
+}
 
 int dtkv_gather_hash(const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
                      int64_t block_stride, int64_t plane_stride, int64_t plane_bytes,
@@ -34,7 +40,7 @@ int dtkv_gather_hash(const uint64_t *layer_ptrs, int64_t num_layers, int64_t pla
             uint8_t *out = rec + j * layer_bytes;
             for (int64_t p = 0; p < planes; p++)
                 memcpy(out + p * plane_bytes, src + p * plane_stride, (size_t)plane_bytes);
-            sums[i * num_layers + j] = XXH3_64bits(out, (size_t)layer_bytes); /* still in cache */
+            sums[i * num_layers + j] = dtkv_hash(out, (size_t)layer_bytes); /* still in cache */
         }
     }
     return 0;
@@ -81,7 +87,7 @@ static int64_t verify_scatter(const uint64_t *layer_ptrs, int64_t num_layers, in
     const int64_t layer_bytes = planes * plane_bytes;
     for (int64_t j = 0; j < num_layers; j++) {
         const uint8_t *src = payload + j * layer_bytes;
-        if (XXH3_64bits(src, (size_t)layer_bytes) != sums[j]) /* hashing pulls the layer into cache */
+        if (dtkv_hash(src, (size_t)layer_bytes) != sums[j]) /* hashing pulls the layer into cache */
             return j;
         uint8_t *dst = (uint8_t *)(uintptr_t)layer_ptrs[j] + block_id * block_stride;
         if (plane_stride == plane_bytes)
