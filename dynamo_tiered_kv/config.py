@@ -78,6 +78,11 @@ class TieredKVConfig(BaseSettings):
     )
     s3_part_bytes: int = Field(8 * MiB, ge=5 * MiB, description="multipart upload part size")
     s3_max_concurrency: int = Field(8, ge=1, le=256, description="parts in flight per upload")
+    s3_read_concurrency: int = Field(
+        8, ge=1, le=256, description="object tier (S3 or file://): ranged GETs in flight at once (manifest fetches: "
+        "at least 16); raise it when each GET waits on the server (HDD-backed S3: a seek per GET), lower it for a "
+        "small gateway"
+    )
     s3_direct_reads: bool = Field(
         True, description="ranged GETs received straight into staging memory (false: through aiobotocore)"
     )

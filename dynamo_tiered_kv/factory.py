@@ -150,6 +150,7 @@ def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | Non
             capacity_bytes=config.object_capacity_bytes,
             ttl_s=config.object_ttl_s,
             refresh_interval_s=config.object_refresh_s,
+            max_concurrency=config.s3_read_concurrency,
             verify_reads=False,  # the store verifies every record it loads and counts failures per tier
             namespace=namespace.digest,  # the identity the tier checks when it verifies reads itself
         )
@@ -262,5 +263,6 @@ def _s3_tuning(config: TieredKVConfig) -> dict:
         "addressing_style": config.s3_addressing_style,
         "part_bytes": config.s3_part_bytes,
         "max_concurrency": config.s3_max_concurrency,
+        "read_concurrency": config.s3_read_concurrency,  # sizes the connection pool for the tier's reads
         "direct_reads": config.s3_direct_reads,
     }

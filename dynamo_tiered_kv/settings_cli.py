@@ -89,6 +89,7 @@ class Settings:
             "addressing_style": c.s3_addressing_style,
             "part_bytes": c.s3_part_bytes,
             "max_concurrency": c.s3_max_concurrency,
+            "read_concurrency": c.s3_read_concurrency,
             "direct_reads": c.s3_direct_reads,
         }
 

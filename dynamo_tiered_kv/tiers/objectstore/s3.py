@@ -102,7 +102,9 @@ class S3Backend(ObjectBackend):
         addressing_style: "path" (default; what RGW and MinIO on an IP need) or "virtual".
         verify_tls: False disables certificate checks; a path uses that CA bundle.
         part_bytes: multipart part size (>= 5 MiB); sources up to this size are one PUT.
-        max_concurrency: parts in flight per upload, and the HTTP connection pool size.
+        max_concurrency: parts in flight per upload.
+        read_concurrency: reads the caller keeps in flight (the object tier's ``max_concurrency``);
+            with two uploads' parts it sizes the HTTP connection pool, so neither waits for the other.
         connect_timeout_s, read_timeout_s: socket timeouts handed to botocore.
         body_idle_timeout_s: longest silence in a GET response once it began (direct reads: headers
             too) before the attempt is abandoned and retried on a fresh connection.
@@ -116,7 +118,7 @@ class S3Backend(ObjectBackend):
                  region: str = "us-east-1", access_key: str | None = None, secret_key: str | None = None,
                  session_token: str | None = None, profile: str | None = None,
                  addressing_style: str = "path", verify_tls: bool | str = True,
-                 part_bytes: int = DEFAULT_PART_BYTES, max_concurrency: int = 8,
+                 part_bytes: int = DEFAULT_PART_BYTES, max_concurrency: int = 8, read_concurrency: int = 8,
                  connect_timeout_s: float = 5.0, read_timeout_s: float = 30.0,
                  retry: RetryPolicy | None = None, breaker_threshold: int = 5,
                  breaker_cooldown_s: float = 5.0, create_bucket: bool = False,
@@ -126,8 +128,8 @@ class S3Backend(ObjectBackend):
             raise ConfigError("S3Backend.bucket must be set")
         if part_bytes < MIN_PART_BYTES:
             raise ConfigError(f"S3Backend.part_bytes must be >= {MIN_PART_BYTES}, got {part_bytes}")
-        if max_concurrency < 1:
-            raise ConfigError("S3Backend.max_concurrency must be >= 1")
+        if max_concurrency < 1 or read_concurrency < 1:
+            raise ConfigError("S3Backend.max_concurrency and read_concurrency must be >= 1")
         if body_idle_timeout_s <= 0:
             raise ConfigError("S3Backend.body_idle_timeout_s must be positive")
         if addressing_style not in ("path", "virtual", "auto"):
@@ -146,6 +148,7 @@ class S3Backend(ObjectBackend):
         self.verify_tls = verify_tls
         self.part_bytes = part_bytes
         self.max_concurrency = max_concurrency
+        self.read_concurrency = read_concurrency
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.body_idle_timeout_s = body_idle_timeout_s
@@ -179,7 +182,8 @@ class S3Backend(ObjectBackend):
             retries={"max_attempts": 1, "mode": "standard"},
             connect_timeout=self.connect_timeout_s,
             read_timeout=self.read_timeout_s,
-            max_pool_connections=max(self.max_concurrency * 2, 10),
+            # the flusher's two uploads and the tier's reads run at once: room for all of them
+            max_pool_connections=max(self.max_concurrency * 2 + self.read_concurrency, 10),
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
