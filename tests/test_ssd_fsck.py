@@ -11,7 +11,7 @@ import pytest
 from dynamo_tiered_kv.cli import main
 from dynamo_tiered_kv.testing import make_record, random_key, small_shape
 from dynamo_tiered_kv.tiers.ssd import SSDTier
-from dynamo_tiered_kv.tiers.ssd.segment import list_segments
+from dynamo_tiered_kv.tiers.ssd.segment import TOMBSTONE, list_segments
 
 SHAPE = small_shape(num_layers=2)
 
@@ -118,3 +118,30 @@ async def test_stray_entries_are_reported_not_fatal(tmp_path: Path, capsys: pyte
     assert main(["fsck", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "12 records verified" in out and "seg-00000099.dtkv" in out and "tombstones.log" in out
+
+
+async def test_torn_and_damaged_tombstones_are_warnings_with_their_offset(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, items = await _populate(tmp_path)
+    t = SSDTier(tmp_path, capacity_bytes=16 << 20, segment_bytes=64 << 10, idle_seal_s=None)
+    await t.open()
+    assert await t.delete_many([items[1][0], items[3][0]]) == 2  # two tombstones; both records punched
+    await t.close()
+    log = tmp_path / "rank-000" / "tombstones.log"
+    assert log.stat().st_size == 2 * TOMBSTONE.size
+    with open(log, "ab") as f:
+        f.write(b"\x01" * 17)  # a crash in the middle of the third append
+    assert main(["fsck", "--json", str(tmp_path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tombstones"] == 2 and report["records_freed"] == 2
+    assert [(p["offset"], p["error"], p["corrupt"]) for p in report["problems"]] == [
+        (2 * TOMBSTONE.size, "torn last tombstone (ignored by recovery)", False)]
+
+    _flip(log, TOMBSTONE.size + 3)  # the second entry: the punched record it named looks live
+    assert main(["fsck", "--json", str(tmp_path)]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["tombstones"] == 1 and report["records_freed"] == 1
+    warnings = [(p["offset"], p["error"]) for p in report["problems"] if not p["corrupt"]]
+    assert warnings == [(TOMBSTONE.size, "damaged tombstone (ignored by recovery)"),
+                        (2 * TOMBSTONE.size, "torn last tombstone (ignored by recovery)")]
+    assert report["corrupt_count"] == 1

@@ -6,6 +6,8 @@ the footer says it holds; there is no namespace here, records of any tenant pass
 * a sealed segment must have a valid footer whose entries tile the data region;
 * a record a tombstone names is dead: the tier punches its blocks out (it reads as zeros) and
   never serves it, so one that fails verification is counted as freed, not corrupt;
+* a torn last tombstone (a crash) or a damaged one is a warning: recovery drops it, and a
+  punched record it named then fails verification here as corruption;
 * only the newest segment of a rank directory may lack a footer (open at a crash, or in use by
   a live writer). Failing bytes after its last valid record are a *torn tail*, the expected
   trace of a crash that recovery truncates: a warning, not corruption;
@@ -25,9 +27,9 @@ from pathlib import Path
 
 from ...codec import MAGIC, verify_record
 from ...errors import RecordError
-from .quarantine import open_regular, read_regular
+from .quarantine import open_regular
 from .recovery import newest_segment, scan_records
-from .segment import LOCK_FILE, TOMBSTONE, TOMBSTONE_FILE, list_segments, parse_tombstones, read_footer
+from .segment import LOCK_FILE, TOMBSTONE_FILE, TORN, list_segments, read_footer, read_tombstones
 
 _RANK_RE = re.compile(r"^rank-\d+$")
 
@@ -92,18 +94,17 @@ def fsck_dir(path: Path) -> FsckReport:
 
 def _check_tombstones(path: Path, report: FsckReport) -> set[tuple[int, int]]:
     """Dead ``(seq, offset)`` locations the tombstone log names."""
+    def bad(at: int, why: str) -> None:
+        error = "torn last tombstone" if why == TORN else "damaged tombstone"
+        report.problems.append(Problem(str(path), at, None, error + " (ignored by recovery)", False))
+
     try:
-        raw = read_regular(path)
-    except FileNotFoundError:
-        return set()
+        tombs = read_tombstones(path, bad)
     except OSError as e:
         report.problems.append(Problem(str(path), None, None, f"cannot read it (the tier quarantines it, so "
                                        f"deleted records may come back): {e}", True))
         return set()
-    tombs = parse_tombstones(raw)
     report.tombstones += len(tombs)
-    if len(raw) % TOMBSTONE.size:
-        report.problems.append(Problem(str(path), None, None, "torn last tombstone (ignored by recovery)", False))
     return {(s, o) for s, o, _ in tombs}
 
 

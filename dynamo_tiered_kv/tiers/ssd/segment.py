@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +30,7 @@ import xxhash
 
 from ...codec import ALIGN, align_up
 from ...keys import KEY_BYTES
+from .quarantine import read_regular
 
 SEG_MAGIC = b"DTKVSEG\x00"
 SEG_VERSION = 1
@@ -43,6 +44,7 @@ assert ENTRY_DTYPE.itemsize == ENTRY.size
 
 _SEG_RE = re.compile(r"^seg-(\d{8,})\.dtkv$")
 TOMBSTONE_FILE = "tombstones.log"
+TORN, DAMAGED = "torn", "damaged"  # what ``parse_tombstones`` reports of an entry it skips
 LOCK_FILE = "LOCK"
 
 
@@ -161,12 +163,34 @@ def pack_tombstone(seq: int, offset: int, key: bytes) -> bytes:
     return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
 
 
-def parse_tombstones(raw: bytes) -> list[tuple[int, int, bytes]]:
-    """(seq, offset, key) of every intact tombstone; a torn or damaged entry is skipped."""
+def parse_tombstones(raw: bytes, on_bad: Callable[[int, str], None] | None = None) -> list[tuple[int, int, bytes]]:
+    """(seq, offset, key) of every intact tombstone, in log order.
+
+    A damaged entry (bad checksum) and a torn last entry are skipped; ``on_bad`` gets each one's
+    byte offset in the log and ``TORN`` or ``DAMAGED``.
+    """
     out = []
-    for i in range(len(raw) // TOMBSTONE.size):
-        chunk = raw[i * TOMBSTONE.size:(i + 1) * TOMBSTONE.size]
+    size = TOMBSTONE.size
+    for at in range(0, len(raw) - size + 1, size):
+        chunk = raw[at:at + size]
         seq, off, key, s = TOMBSTONE.unpack(chunk)
         if xxhash.xxh3_64_intdigest(chunk[:-8]) == s:
             out.append((seq, off, key))
+        elif on_bad is not None:
+            on_bad(at, DAMAGED)
+    if len(raw) % size and on_bad is not None:
+        on_bad(len(raw) - len(raw) % size, TORN)
     return out
+
+
+def read_tombstones(path: Path, on_bad: Callable[[int, str], None] | None = None) -> list[tuple[int, int, bytes]]:
+    """``parse_tombstones`` of the log at ``path``; none when it does not exist.
+
+    Raises ``OSError`` when it cannot be read, a non-regular file included (the tier quarantines
+    such a log at start).
+    """
+    try:
+        raw = read_regular(path)
+    except FileNotFoundError:
+        return []
+    return parse_tombstones(raw, on_bad)

@@ -13,9 +13,8 @@ from pathlib import Path
 
 from .fsck import rank_dirs_of
 from .holes import allocated_bytes, allocated_in
-from .quarantine import read_regular
 from .recovery import scan_records
-from .segment import TOMBSTONE_FILE, list_segments, parse_tombstones, read_footer
+from .segment import TOMBSTONE_FILE, list_segments, read_footer, read_tombstones
 
 
 def segment_files(root: Path) -> Iterator[Path]:
@@ -58,7 +57,4 @@ def bytes_held_by(root: Path, keys: Collection[bytes], *, dead: bool = False) ->
 
 
 def _tombstoned(rank_dir: Path) -> set[tuple[int, int]]:
-    try:
-        return {(s, o) for s, o, _ in parse_tombstones(read_regular(rank_dir / TOMBSTONE_FILE))}
-    except FileNotFoundError:
-        return set()
+    return {(s, o) for s, o, _ in read_tombstones(rank_dir / TOMBSTONE_FILE)}  # bad entries name nothing
