@@ -6,7 +6,7 @@ segments in ``--dir`` (host tier off) vs O_DIRECT preadv of the same segment byt
 reads of ``--piece-mib`` in flight. ``objdir``: object tier on a local directory vs parallel
 preads of the data objects, both from a cold page cache (the objects are dropped from it with
 POSIX_FADV_DONTNEED before every load and raw read). ``s3``: object tier on S3 (``--s3-endpoint``/``DTKV_S3_ENDPOINT``,
-else an in-process moto server) vs parallel ranged GETs (``s3_max_concurrency`` in flight).
+else an in-process moto server) vs parallel ranged GETs (``s3_read_concurrency`` in flight).
 Each row: best and median load/raw ratio, and the load's stage breakdown (``LoadResult.stages``).
 """
 
@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssd-io", choices=["auto", "nixl", "odirect"], default="auto", help="SSD tier I/O path")
     p.add_argument("--s3-endpoint", default=os.environ.get("DTKV_S3_ENDPOINT"),
                    help="S3 server for the s3 tier (default $DTKV_S3_ENDPOINT, else a moto server)")
-    p.add_argument("--s3-concurrency", type=int, default=8, help="ranged GETs in flight (s3_max_concurrency)")
+    p.add_argument("--s3-concurrency", type=int, default=8,
+                   help="ranged GETs in flight, ours and the plain reads (s3_read_concurrency)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds of load and raw read")
 
 
@@ -173,7 +174,7 @@ def _bench_tier(tier: str, args: argparse.Namespace, root: str) -> dict:
                 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
             asyncio.run(_make_bucket(endpoint))
             cfg.update(object_url=f"s3://{BUCKET}/restore-{os.getpid()}", s3_endpoint_url=endpoint,
-                       s3_max_concurrency=args.s3_concurrency)
+                       s3_read_concurrency=args.s3_concurrency)
     _progress(f"{tier}: writing {n} blocks ({nbytes / (1 << 20):.0f} MiB)")
     store = build_store(TieredKVConfig.from_mapping(cfg), ns)
     try:
