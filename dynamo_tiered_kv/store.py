@@ -374,7 +374,13 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
 
     def _holds(self, ti: int, key: BlockKey) -> bool:
         """Tier ``ti`` has a record of ``key`` that did not fail verification. Any thread."""
-        return (ti, key) not in self._condemned and self.tiers[ti].contains(key)
+        # The map is almost always empty: test that first, so a lookup builds no (tier, key)
+        # tuple. Its truth test is one atomic read like the membership test it guards, so a mark
+        # made before this call (``_condemn`` returns only once marked) is still seen.
+        condemned = self._condemned
+        if condemned and (ti, key) in condemned:
+            return False
+        return self.tiers[ti].contains(key)
 
     def _condemn(self, ti: int, key: BlockKey) -> None:
         """Tier ``ti``'s record of ``key`` failed verification (loading thread): from now on it is
