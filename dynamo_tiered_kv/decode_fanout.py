@@ -38,11 +38,11 @@ def _helpers() -> ThreadPoolExecutor:
     return pool
 
 
-def fan_out(n: int, record_bytes: int, decode: Callable[[int, int], list[Any]]) -> list[Any]:
-    """``decode(a, b)`` over ``[0, n)`` cut into up to ``WAYS`` contiguous ranges, the first on the
-    calling thread; the per-record results in order. Returns (or raises) only after every range
-    finished, so nothing writes engine memory once the caller moves on."""
-    ways = min(WAYS, n * record_bytes // MIN_BYTES_PER_WAY)
+def fan_out(n: int, record_bytes: int, decode: Callable[[int, int], list[Any]], ways: int | None = None) -> list[Any]:
+    """``decode(a, b)`` over ``[0, n)`` cut into up to ``WAYS`` (or ``ways`` if fewer) contiguous
+    ranges, the first on the calling thread; the per-record results in order. Returns (or raises)
+    only after every range finished, so nothing writes engine memory once the caller moves on."""
+    ways = min(WAYS if ways is None else ways, WAYS, n * record_bytes // MIN_BYTES_PER_WAY)
     if ways < 2:
         return decode(0, n)
     bounds = [n * i // ways for i in range(ways + 1)]

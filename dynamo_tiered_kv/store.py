@@ -343,7 +343,8 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
 
     # --- load ------------------------------------------------------------------------------
     def load(self, layout: EngineLayout, block_ids: Sequence[int], keys: Sequence[BlockKey],
-             timeout: float | None = 30.0, pacer: Pacer | None = None) -> LoadResult:
+             timeout: float | None = 30.0, pacer: Pacer | None = None,
+             decode_threads: int | None = None) -> LoadResult:
         """Restore ``keys`` into engine blocks ``block_ids``, verifying every record.
 
         Returns which blocks were restored and which the engine must recompute, and where the time
@@ -354,6 +355,8 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
         Any thread but the store's own may call it (the engine's, or a background loader); the
         verify+scatter runs on the calling thread. Reads are pipelined (``store_reads``).
         ``pacer``: lets the CPU verify+scatter through in slices (``pacing``); None: unpaced.
+        ``decode_threads``: most threads an unpaced CPU verify+scatter may use, the caller's
+        included (None: up to ``decode_fanout.WAYS``); 1 keeps it on the calling thread.
         """
         if len(block_ids) != len(keys):
             raise ValueError("block_ids and keys must have the same length")
@@ -363,7 +366,7 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
         t0 = time.perf_counter()
         res = LoadResult()
         self._load_pipelined(layout, block_ids, keys, timeout, res.loaded_block_ids, res.tier_per_block, res.stages,
-                              pacer)
+                              pacer, decode_threads)
         res.failed_block_ids = list(block_ids[len(res.loaded_block_ids):])
         if res.failed_block_ids:
             self.metrics.load_failed_blocks.inc(len(res.failed_block_ids))

@@ -87,8 +87,8 @@ class _ChunkDecoder:
     the restore's CPU; else, for layouts the compiled decoder handles, fanned out over a few
     threads (``decode_fanout``)."""
 
-    def __init__(self, pacer: Pacer | None, deadline: float | None, rb: int, fan: bool) -> None:
-        self.pacer, self.deadline, self.rb, self.fan = pacer, deadline, rb, fan
+    def __init__(self, pacer: Pacer | None, deadline: float | None, rb: int, ways: int | None) -> None:
+        self.pacer, self.deadline, self.rb, self.ways = pacer, deadline, rb, ways
         self.per_slice = max(1, SLICE_BYTES // rb)
         self.waited_s = 0.0
 
@@ -97,7 +97,7 @@ class _ChunkDecoder:
         if not n:
             return []
         if self.pacer is None or not self.pacer.limiting():
-            return fan_out(n, self.rb, decode) if self.fan else decode(0, n)
+            return decode(0, n) if self.ways == 1 else fan_out(n, self.rb, decode, self.ways)
         out: list[Any] = []
         for a in range(0, n, self.per_slice):
             t0 = time.perf_counter()
@@ -158,7 +158,7 @@ class ChunkReads:
     # --- caller side ---------------------------------------------------------------------------
     def _load_pipelined(self, layout: EngineLayout, block_ids: Sequence[int], keys: Sequence[BlockKey],
                         timeout: float | None, loaded: list[int], tiers_of: list[str], st: LoadStages,
-                        pacer: Pacer | None = None) -> None:
+                        pacer: Pacer | None = None, decode_threads: int | None = None) -> None:
         """Fill ``loaded``/``tiers_of`` with the restored prefix, ``st`` with the stage timings."""
         n = len(block_ids)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -178,7 +178,9 @@ class ChunkReads:
             max(1, min(per_chunk, self.load_first_chunk_bytes // rb))
         in_place_ok = layout.fast_table() is not None
         inflight: deque[ChunkRead] = deque()
-        decoder = _ChunkDecoder(pacer, deadline, rb, fan=in_place_ok)
+        # compiled layouts only: the Python path holds the GIL, threads would take turns
+        ways = (None if decode_threads is None else max(1, decode_threads)) if in_place_ok else 1
+        decoder = _ChunkDecoder(pacer, deadline, rb, ways)
         next_i = 0
         spans: dict[int, list[tuple[float, float]]] = {}
         nbytes: dict[int, int] = {}

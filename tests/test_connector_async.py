@@ -6,6 +6,7 @@ request rolled back to its first failed block."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -153,7 +154,7 @@ class _GatedStore:
         self.calls: list[tuple[list[int], float]] = []
         self.returned: set[int] = set()  # first block id of each load that returned
 
-    def load(self, layout, ids, keys, timeout=None, pacer=None):
+    def load(self, layout, ids, keys, timeout=None, pacer=None, decode_threads=None):
         self.calls.append((list(ids), timeout))
         if self.delay is not None:
             ok = timeout >= self.delay
@@ -382,3 +383,28 @@ def test_restore_report_counts_the_steps_it_was_pending_and_sync_loads_report_th
     assert r.req_id == "s" and r.sync and r.steps == 0 and r.engine_wait_s == r.load_s > 0
     assert w.served["s"] == ["ssd", "ssd"] and w.get_block_ids_with_load_errors() == set()
     w.shutdown()
+
+
+@pytest.mark.parametrize(("kind", "omp"), [("VLLM_CPU", 1), ("VLLM_CPU", 64), ("FLASH_ATTN", 64)])
+def test_sync_loads_on_a_cpu_engine_decode_on_the_cores_its_openmp_team_leaves_free(
+        kind: str, omp: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A synchronous load runs on the engine's thread: on a CPU layout it is limited to the cores
+    torch's team leaves free (spinning workers own the rest); async restores keep the store's choice."""
+    from dynamo_tiered_kv.connectors.vllm import cpu_threads
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("KMP_BLOCKTIME", raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: omp)
+    w, _ = _registered_worker({"host_capacity_bytes": 16 << 20}, kind)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+        seen: list[object] = []
+        real_load = w.store.load
+        w.store.load = lambda *a, **kw: (seen.append(kw.get("decode_threads")), real_load(*a, **kw))[1]
+        w.start_load_kv(TieredKVMetadata(loads=[LoadSpec("s", [5], [b"h" * 16], is_async=False)]))
+        w.start_load_kv(TieredKVMetadata(loads=[LoadSpec("a", [6], [b"g" * 16], is_async=True)]))
+        assert _finished(w) == {"a"}
+        want = cpu_threads.sync_decode_threads(omp, cpus, {})  # both layouts live in host memory here
+        assert seen == [want, None] and want == (cpus if omp == 1 else 1)
+    finally:
+        w.shutdown()

@@ -67,8 +67,8 @@ def test_unpaced_load_restores_the_same_bytes_fanned_out(tier_kind: str, three_w
     names: set[str] = set()
     real = fo.fan_out
 
-    def spy(n, rb, decode):
-        return real(n, rb, lambda a, b: (names.add(threading.current_thread().name), decode(a, b))[1])
+    def spy(n, rb, decode, ways=None):
+        return real(n, rb, lambda a, b: (names.add(threading.current_thread().name), decode(a, b))[1], ways)
 
     import dynamo_tiered_kv.store_reads as sr
 
@@ -84,4 +84,46 @@ def test_unpaced_load_restores_the_same_bytes_fanned_out(tier_kind: str, three_w
         for s, d in zip(range(1, 15), range(30, 44), strict=True):
             assert block_bytes(src, s) == block_bytes(dst, d)
         assert any(n.startswith("dtkv-decode") for n in names)
+    pool.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_threads_bounds_the_ranges_of_an_unpaced_load(threads: int, three_ways, monkeypatch) -> None:
+    """``decode_threads=1`` keeps verify+scatter on the caller (a restore on an engine thread whose
+    OpenMP workers spin on the other cores); 2 cuts a chunk into at most two ranges, one on a
+    helper; the bytes are the same. Without it a chunk takes every way (three here)."""
+    calls: list[list[str]] = []
+    lock = threading.Lock()
+    real = fo.fan_out
+
+    def spy(n, rb, decode, ways=None):
+        seen: list[str] = []
+        calls.append(seen)
+
+        def named(a, b):
+            with lock:
+                seen.append(threading.current_thread().name)
+            return decode(a, b)
+        return real(n, rb, named, ways)
+
+    import dynamo_tiered_kv.store_reads as sr
+
+    monkeypatch.setattr(sr, "fan_out", spy)
+    tier = HostTier(64 * REC, chunk_bytes=REC, pin=False)
+    store, pool, src, keys = stored(tier, 20, 8)
+    with store:
+        dst = make_layout(64)
+        caller = threading.current_thread().name
+        res = store.load(dst, list(range(30, 50)), keys, timeout=10, decode_threads=threads)
+        assert res.loaded_block_ids == list(range(30, 50))
+        for s, d in zip(range(1, 21), range(30, 50), strict=True):
+            assert block_bytes(src, s) == block_bytes(dst, d)
+        if threads == 1:
+            assert calls == []  # never fanned out: decoded on the calling thread
+        else:
+            assert calls and all(len(c) == 2 and caller in c and any(n.startswith("dtkv-decode") for n in c)
+                                 for c in calls)
+        calls.clear()
+        store.load(dst, list(range(30, 50)), keys, timeout=10)  # the store's own choice: every way
+        assert calls and all(len(c) == 3 for c in calls)
     pool.close()

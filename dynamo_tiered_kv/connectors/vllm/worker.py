@@ -19,6 +19,7 @@ from ...pacing import StepShare
 from ...residency import medium_of
 from ...store import TieredStore
 from .cpu_amx import request_amx_tiles
+from .cpu_threads import engine_sync_decode_threads
 from .metadata import LoadSpec, TieredKVMetadata
 from .onboard import Onboarder, Restored
 from .rendezvous import LookupServer, register_local, unregister_local
@@ -74,6 +75,8 @@ class WorkerRole:
         self._onboard = Onboarder(self._restore, config.load_timeout_s)
         #: paces async restores' CPU verify+scatter against the forward (CPU layouts; set at registration)
         self._pacer: StepShare | None = None
+        #: threads a synchronous restore verifies+scatters with (CPU layouts; set at registration)
+        self._sync_decode_threads: int | None = None
         #: the scheduler's hint counters (``TieredKVMetadata.hint_counts``), on this store's /metrics.
         #: Every TP and PP rank gets the same metadata: only the first exports them, so a sum over
         #: ranks counts each hint once (each DP rank has its own scheduler and its own first worker).
@@ -89,6 +92,7 @@ class WorkerRole:
             return
         if not layout.is_cuda:
             request_amx_tiles()  # before the engine's first forward (see cpu_amx.py)
+            self._sync_decode_threads = engine_sync_decode_threads()
             share = self.config.restore_cpu_share
             self._pacer = StepShare(share) if share > 0 else None
         self.layout = layout
@@ -210,7 +214,8 @@ class WorkerRole:
                 self._failed_this_step.update(late)
                 break
             t0 = time.perf_counter()
-            res = self.store.load(self.layout, spec.block_ids, self.keys_of(spec.token_hashes), timeout=left)
+            res = self.store.load(self.layout, spec.block_ids, self.keys_of(spec.token_hashes), timeout=left,
+                                  decode_threads=self._sync_decode_threads)
             dt = time.perf_counter() - t0
             self._failed_this_step.update(res.failed_block_ids)
             # the request runs in this very step: its wait is the load itself, no step in between
