@@ -19,6 +19,8 @@ same key at another location is unaffected. A torn last entry is ignored.
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 import struct
 from collections.abc import Callable, Iterable
@@ -181,6 +183,25 @@ def parse_tombstones(raw: bytes, on_bad: Callable[[int, str], None] | None = Non
     if len(raw) % size and on_bad is not None:
         on_bad(len(raw) - len(raw) % size, TORN)
     return out
+
+
+def append_tombstones(fd: int, entries: bytes) -> None:
+    """Append whole tombstones to the log open at ``fd`` (``O_APPEND``), never leaving part of one.
+
+    The log is parsed in fixed-size steps from its start: a partial entry in the middle would shift
+    every later one out of step, and each would then read as damaged and be dropped at the next
+    start (its deleted record back in the index). So a log whose size is not a whole number of
+    entries (a torn tail that start-up could not trim) is cut back first, and a short write is
+    cut back before this raises. Raises ``OSError`` (nothing partial stays) when it cannot write.
+    """
+    size = os.fstat(fd).st_size
+    if size % TOMBSTONE.size:
+        os.ftruncate(fd, size - size % TOMBSTONE.size)
+        size -= size % TOMBSTONE.size
+    n = os.write(fd, entries)
+    if n != len(entries):
+        os.ftruncate(fd, size)
+        raise OSError(errno.ENOSPC, f"short write to the tombstone log ({n} of {len(entries)} bytes)")
 
 
 def read_tombstones(path: Path, on_bad: Callable[[int, str], None] | None = None) -> list[tuple[int, int, bytes]]:

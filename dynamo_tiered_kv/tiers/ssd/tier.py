@@ -50,6 +50,7 @@ from .sealing import SealingMixin
 from .segment import (
     LOCK_FILE,
     TOMBSTONE_FILE,
+    append_tombstones,
     footer_bytes,
     list_segments,
     pack_tombstone,
@@ -556,11 +557,12 @@ class SSDTier(SegmentSourceMixin, ReadPathMixin, ReclaimMixin, EvictionMixin, Se
         return len(locs)
 
     def _append_tombstones(self, locs: list[tuple[int, int, bytes]]) -> bool:
-        """Append tombstones for ``locs``; whether they were written (synced when ``fsync``)."""
+        """Append tombstones for ``locs``; whether they were written (synced when ``fsync``).
+        Runs on the writer thread only (``append_tombstones`` trims the log: one appender)."""
         if self._tomb_fd is None:
             return False
         try:
-            os.write(self._tomb_fd, b"".join(pack_tombstone(s, o, k) for s, o, k in locs))
+            append_tombstones(self._tomb_fd, b"".join(pack_tombstone(s, o, k) for s, o, k in locs))
             if self._fsync:
                 os.fdatasync(self._tomb_fd)
             else:
