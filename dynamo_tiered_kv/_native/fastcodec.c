@@ -48,8 +48,11 @@ int dtkv_gather_hash(const uint64_t *layer_ptrs, int64_t num_layers, int64_t pla
 
 /* Copy verified bytes into engine memory. The engine will not read these blocks before the
  * load returns, so streaming (non-temporal) stores skip the read-for-ownership of the destination
- * lines: one pass less over memory than memcpy, which is what brings decode near memcpy speed. */
-static void copy_out(uint8_t *dst, const uint8_t *src, size_t n) {
+ * lines: one pass less over memory than memcpy, which is what brings decode near memcpy speed.
+ * `ahead` (or NULL): n bytes the caller hashes next (the next layer), pulled into L2 while this
+ * copy streams out, so that hash finds them there instead of waiting on DRAM line by line (one
+ * thread, data not in cache: verify+scatter 10-13% faster on a Xeon VM with AVX-512). */
+static void copy_out(uint8_t *dst, const uint8_t *src, size_t n, const uint8_t *ahead) {
 #if defined(__SSE2__)
     size_t head = (size_t)(-(uintptr_t)dst) & 15;
     if (n < 256 || head > n) {
@@ -60,6 +63,8 @@ static void copy_out(uint8_t *dst, const uint8_t *src, size_t n) {
     dst += head; src += head; n -= head;
     size_t i = 0;
     for (; i + 64 <= n; i += 64) {
+        if (ahead)
+            _mm_prefetch((const char *)(ahead + head + i), _MM_HINT_T1);
         __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
         __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
         __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
@@ -71,6 +76,7 @@ static void copy_out(uint8_t *dst, const uint8_t *src, size_t n) {
     }
     memcpy(dst + i, src + i, n - i);
 #else
+    (void)ahead;
     memcpy(dst, src, n);
 #endif
 }
@@ -90,11 +96,13 @@ static int64_t verify_scatter(const uint64_t *layer_ptrs, int64_t num_layers, in
         if (dtkv_hash(src, (size_t)layer_bytes) != sums[j]) /* hashing pulls the layer into cache */
             return j;
         uint8_t *dst = (uint8_t *)(uintptr_t)layer_ptrs[j] + block_id * block_stride;
+        const uint8_t *next = j + 1 < num_layers ? src + layer_bytes : NULL;
         if (plane_stride == plane_bytes)
-            copy_out(dst, src, (size_t)layer_bytes); /* planes adjacent in the engine: one copy */
+            copy_out(dst, src, (size_t)layer_bytes, next); /* planes adjacent in the engine: one copy */
         else
             for (int64_t p = 0; p < planes; p++)
-                copy_out(dst + p * plane_stride, src + p * plane_bytes, (size_t)plane_bytes);
+                copy_out(dst + p * plane_stride, src + p * plane_bytes, (size_t)plane_bytes,
+                         next ? next + p * plane_bytes : NULL);
     }
     return -1;
 }
