@@ -89,14 +89,14 @@ static void copy_done(void) {
 
 static int64_t verify_scatter(const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
                               int64_t block_stride, int64_t plane_stride, int64_t plane_bytes, int64_t block_id,
-                              const uint8_t *payload, const uint64_t *sums) {
+                              const uint8_t *payload, const uint64_t *sums, const uint8_t *next_payload) {
     const int64_t layer_bytes = planes * plane_bytes;
     for (int64_t j = 0; j < num_layers; j++) {
         const uint8_t *src = payload + j * layer_bytes;
         if (dtkv_hash(src, (size_t)layer_bytes) != sums[j]) /* hashing pulls the layer into cache */
             return j;
         uint8_t *dst = (uint8_t *)(uintptr_t)layer_ptrs[j] + block_id * block_stride;
-        const uint8_t *next = j + 1 < num_layers ? src + layer_bytes : NULL;
+        const uint8_t *next = j + 1 < num_layers ? src + layer_bytes : next_payload; /* what is hashed next */
         if (plane_stride == plane_bytes)
             copy_out(dst, src, (size_t)layer_bytes, next); /* planes adjacent in the engine: one copy */
         else
@@ -113,7 +113,7 @@ int64_t dtkv_verify_scatter(const uint64_t *layer_ptrs, int64_t num_layers, int6
                             int64_t block_stride, int64_t plane_stride, int64_t plane_bytes, int64_t block_id,
                             const uint8_t *payload, const uint64_t *sums) {
     int64_t r = verify_scatter(layer_ptrs, num_layers, planes, block_stride, plane_stride, plane_bytes,
-                               block_id, payload, sums);
+                               block_id, payload, sums, NULL);
     copy_done();
     return r;
 }
@@ -155,8 +155,10 @@ static void decode_records(const uint64_t *layer_ptrs, int64_t num_layers, int64
             status[i] = DTKV_LAYOUT; continue;
         }
         memcpy(sums, rec + 128, table_bytes);
+        const uint8_t *next = i + 1 < n ? (ptrs ? (const uint8_t *)(uintptr_t)ptrs[i + 1] : rec + record_bytes) : NULL;
         status[i] = verify_scatter(layer_ptrs, num_layers, planes, block_stride, plane_stride,
-                                   plane_bytes, block_ids[i], rec + header_bytes, sums);
+                                   plane_bytes, block_ids[i], rec + header_bytes, sums,
+                                   next ? next + header_bytes : NULL);
     }
     copy_done();
 }
