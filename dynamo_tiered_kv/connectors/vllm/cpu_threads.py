@@ -8,9 +8,9 @@ worker and finishes late, and the restore waits for its slowest range. Measured 
 (AVX-512, AMX; 2k-token prompt, 15 MiB from the host tier, 4 interleaved runs of `dtkv bench
 restore`, medians of 5 rounds each): one thread waited 3.2-4.5 ms in the engine, two threads
 3.5-5.0 ms; with ``OMP_WAIT_POLICY=passive`` two threads 2.1-2.9 ms, but the engine's 256-token
-prefill took 3-8 ms longer (its team wakes from sleep in every parallel region). So a synchronous
-restore fans out over the cores the OpenMP team leaves free, or over all of them when the team's
-workers sleep at once.
+prefill took up to 8 ms longer in 3 of 4 runs (its team wakes from sleep in every parallel
+region). So a synchronous restore fans out over the cores the OpenMP team leaves free, or over
+all of them when the team's workers sleep at once.
 """
 from __future__ import annotations
 
