@@ -5,9 +5,9 @@ scattered on the calling thread, several chunks in flight.
   whole chunk), then ``load_chunk_bytes`` each; where every block comes from tiers that name
   their own ``load_chunk_bytes`` (host memory: nothing to overlap; the object tier: a request
   costs more than the overlap gains), chunks of that size (up to a slab) from the first. A load
-  of at most one chunk is one chunk (nothing to overlap a small first chunk with), read on the
-  calling thread where its tier can
-  (``read_slab_now``: no hand-offs between threads). Up to ``load_depth`` chunks are read ahead,
+  of at most one chunk is read on the calling thread where its tier can (``read_slab_now``: no
+  hand-offs between threads), in two parts when large enough, the second on a helper thread
+  while the first is verified (``store_direct_reads``). Up to ``load_depth`` chunks are read ahead,
   each into its own staging slab taken without waiting (one slab is left free for offloads).
 * Within a chunk, every run of blocks whose fastest tier is the same is cut into up to the
   tier's read parallelism pieces (``read_parallelism``, or the object tier's ``max_concurrency``)
@@ -21,17 +21,15 @@ scattered on the calling thread, several chunks in flight.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from .chunk_read import ChunkRead, Handoff
 from .codec import decode_blocks, decode_records, record_bytes
 from .decode_fanout import fan_out
 from .device_staging import DeviceSlab, DeviceSpan
@@ -41,6 +39,7 @@ from .metrics import StoreMetrics
 from .pacing import SLICE_BYTES, Pacer
 from .restore_stages import LoadStages
 from .staging import Slab, StagingPool
+from .store_direct_reads import DirectReads, first_part
 from .tiers.base import ReadRequest, Tier
 
 log = logging.getLogger("dynamo_tiered_kv.store")  # same logger as before the split: log filters keep working
@@ -51,35 +50,6 @@ MIN_PIECE_BYTES = 4 << 20  # smaller concurrent reads cost more per request than
 #: three chunks through the loop spent more in hand-offs between chunks than verify+scatter
 #: overlapping the reads saved (docs/BENCHMARKS.md, "Restore fixed costs")
 LOAD_DIRECT_BYTES = 16 << 20
-
-
-class Handoff:
-    """Who releases a load slab: the reader if the caller gave up waiting, else the caller.
-
-    The loop's reader and the calling thread both change it, only under ``lock``."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.abandoned = False
-        self.done = False
-
-
-@dataclass
-class ChunkRead:
-    """One chunk of a load: read on the loop (``fut``) or, ``in_place`` = host tier index, on the caller.
-
-    ``spans``/``nbytes`` are written by the reader on the loop and read by the caller only after
-    ``fut`` completed (the future orders the two)."""
-
-    start: int
-    end: int
-    slab: Slab | DeviceSlab
-    fut: concurrent.futures.Future | None
-    hand: Handoff
-    in_place: int | None = None
-    frugal: bool = False  # a pacer limits the load: read in the tier's fewest requests (its CPU is the forward's)
-    spans: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # tier -> read intervals
-    nbytes: dict[int, int] = field(default_factory=dict)  # tier -> bytes arrived
 
 
 class _ChunkDecoder:
@@ -111,7 +81,7 @@ class _ChunkDecoder:
         return out
 
 
-class ChunkReads:
+class ChunkReads(DirectReads):
     """Mixin of ``TieredStore``: the load pipeline. The attributes below are the store's."""
 
     tiers: list[Tier]
@@ -168,14 +138,17 @@ class ChunkReads:
         tier_chunk = self._tier_chunk_bytes(src)
         if tier_chunk is not None:  # a tier whose requests cost more than overlap gains: its size
             per_chunk = min(self._slab_bytes(layout) // rb, max(1, tier_chunk // rb))
-        if per_chunk < n <= min(self._slab_bytes(layout), self.load_direct_bytes) // rb:
-            only_ti = next(iter(src)) if len(src) == 1 else None
-            if only_ti is not None and hasattr(self.tiers[only_ti], "read_slab_now"):
-                per_chunk = n
+        only_ti = next(iter(src)) if len(src) == 1 else None
+        direct_ti = only_ti if only_ti is not None and hasattr(self.tiers[only_ti], "read_slab_now") else None
+        if direct_ti is not None and per_chunk < n <= min(self._slab_bytes(layout), self.load_direct_bytes) // rb:
+            per_chunk = n
         # a small first chunk lets verify+scatter start while the rest is read; a load of at most
-        # one chunk has no rest to overlap with: one chunk, read as few requests as the tier allows
-        first = n if n <= per_chunk else per_chunk if tier_chunk is not None else \
-            max(1, min(per_chunk, self.load_first_chunk_bytes // rb))
+        # one chunk from a tier that reads on the caller: read there, in two parts when large
+        # enough (``store_direct_reads``); else one chunk in as few requests as the tier allows
+        if n > per_chunk:
+            direct_ti = None
+        first = first_part(n, rb) if direct_ti is not None else n if n <= per_chunk else \
+            per_chunk if tier_chunk is not None else max(1, min(per_chunk, self.load_first_chunk_bytes // rb))
         in_place_ok = layout.fast_table() is not None
         inflight: deque[ChunkRead] = deque()
         # compiled layouts only: the Python path holds the GIL, threads would take turns
@@ -206,9 +179,9 @@ class ChunkReads:
             if (only is not None and in_place_ok and not isinstance(slab, DeviceSlab)
                     and getattr(self.tiers[only], "reads_in_place", False)):
                 inflight.append(ChunkRead(next_i, end, slab, None, Handoff(), in_place=only))
-            elif (only is not None and next_i == 0 and end == n and isinstance(slab, Slab)
-                  and hasattr(self.tiers[only], "read_slab_now")):
-                inflight.append(self._read_now(slab, rb, n, keys, only))
+            elif only is not None and only == direct_ti and isinstance(slab, Slab):
+                read = self._read_now if next_i == 0 else self._read_soon
+                inflight.append(read(slab, rb, next_i, end, keys, only))
             else:
                 inflight.append(self._start_read(slab, rb, next_i, end, keys[next_i:end],
                                                  frugal=pacer is not None and pacer.limiting()))
@@ -385,32 +358,6 @@ class ChunkReads:
                     keys: Sequence[BlockKey], frugal: bool = False) -> ChunkRead:
         rd = ChunkRead(start, end, slab, None, Handoff(), frugal=frugal)
         rd.fut = asyncio.run_coroutine_threadsafe(self._read_into_slab(rd, rb, keys), self._loop)
-        return rd
-
-    def _read_now(self, slab: Slab, rb: int, n: int, keys: Sequence[BlockKey], ti: int) -> ChunkRead:
-        """A load that is one chunk from one tier, read on the calling thread (the tier's
-        ``read_slab_now``): no hand-off to the loop, an I/O thread and back, each a wake-up that
-        comes late on a busy CPU. Its bound is the read itself (one request of at most a chunk)."""
-        tier = self.tiers[ti]
-        rd = ChunkRead(0, n, slab, None, Handoff())
-        t0 = time.perf_counter()
-        try:
-            results = tier.read_slab_now(keys[:n], slab.array[:n * rb], rb)  # type: ignore[attr-defined]
-        except Exception as e:
-            self.metrics.errors.labels(tier.name, "read").inc()
-            log.warning("read of %d blocks from tier %s failed: %s", n, tier.name, e)
-            results = []
-        t1 = time.perf_counter()
-        got = next((j for j, r in enumerate(results) if r is None or r < rb), len(results))
-        self.metrics.read_seconds.labels(tier.name).observe(t1 - t0)
-        self.metrics.read_bytes.labels(tier.name).inc(got * rb)
-        if got < n:
-            self.metrics.misses.labels(tier.name).inc(n - got)
-        rd.spans[ti] = [(t0, t1)]
-        rd.nbytes[ti] = got * rb
-        rd.hand.done = True  # nothing reads into the slab any more
-        rd.fut = concurrent.futures.Future()
-        rd.fut.set_result([ti] * got + [None] * (n - got))
         return rd
 
     def _finish_read(self, rd: ChunkRead, timeout: float | None) -> list[int | None] | None:

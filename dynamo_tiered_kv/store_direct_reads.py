@@ -1,0 +1,118 @@
+"""Restores of one chunk from one tier, read without the store's loop (``read_slab_now``).
+
+A small restore (a 2k-token prefix: 15 MiB at 8 KiB/token) read as several chunks through the
+loop spent more in hand-offs between threads than overlapping its reads with verify+scatter
+saved, so it is read on the calling thread. Read whole, though, its verify+scatter (2.5-3.1 ms
+on one thread) only starts once the last byte arrived (10-15 ms on a 2-vCPU Xeon VM's virtio
+disk). So a direct load of at least ``SPLIT_MIN_BYTES`` is read in two parts: the first
+``FIRST_SHARE`` on the calling thread, then the rest on a helper thread while the caller
+verifies+scatters the first part; the caller then waits for the rest and verifies+scatters it.
+One hand-off, and the wait grows by the smaller part's verify+scatter instead of all of it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .chunk_read import ChunkRead, Handoff
+from .keys import BlockKey
+from .metrics import StoreMetrics
+from .staging import Slab
+from .tiers.base import Tier
+
+log = logging.getLogger("dynamo_tiered_kv.store")
+
+#: a direct load at least this large is read in two parts (below, the hand-off costs about what
+#: the overlap saves)
+SPLIT_MIN_BYTES = 8 << 20
+#: share of a split direct load read first on the calling thread: the rest must take at least as
+#: long to read as the first part takes to verify+scatter (reading ran ~4x slower than
+#: verify+scatter per byte on the Xeon VM), and the less is left the less is verified at the end
+FIRST_SHARE = 0.75
+
+#: process-wide, shared by every store, idle when unused; created once under ``_pool_lock``
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _helpers() -> ThreadPoolExecutor:
+    global _pool
+    pool = _pool
+    if pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(2, thread_name_prefix="dtkv-readnow")
+            pool = _pool
+    return pool
+
+
+def first_part(n: int, rb: int) -> int:
+    """Records a direct load of ``n`` records of ``rb`` bytes reads first, on the calling thread."""
+    if n < 2 or n * rb < SPLIT_MIN_BYTES:
+        return n
+    return min(n - 1, max(1, round(n * FIRST_SHARE)))
+
+
+class DirectReads:
+    """Mixin of ``TieredStore``: reads of a tier's ``read_slab_now``. The attributes are the store's."""
+
+    tiers: list[Tier]
+    metrics: StoreMetrics
+
+    def _release(self, slab: Any) -> None:
+        raise NotImplementedError
+
+    def _read_now(self, slab: Slab, rb: int, start: int, end: int, keys: Sequence[BlockKey], ti: int) -> ChunkRead:
+        """Records ``start:end`` of a load read on the calling thread: no hand-off to the loop, an
+        I/O thread and back, each a wake-up that comes late on a busy CPU."""
+        rd = ChunkRead(start, end, slab, None, Handoff())
+        rd.fut = concurrent.futures.Future()
+        rd.fut.set_result(self._read_direct(rd, rb, keys, ti))
+        rd.hand.done = True  # nothing reads into the slab any more
+        return rd
+
+    def _read_soon(self, slab: Slab, rb: int, start: int, end: int, keys: Sequence[BlockKey], ti: int) -> ChunkRead:
+        """Records ``start:end`` read on a helper thread while the caller verifies+scatters the part
+        before them. If the caller stops waiting, the helper frees the slab when its read returns."""
+        rd = ChunkRead(start, end, slab, None, Handoff())
+
+        def read() -> list[int | None]:
+            try:
+                return self._read_direct(rd, rb, keys, ti)
+            finally:
+                with rd.hand.lock:
+                    rd.hand.done = True
+                    abandoned = rd.hand.abandoned
+                if abandoned:
+                    self._release(rd.slab)
+
+        rd.fut = _helpers().submit(read)
+        return rd
+
+    def _read_direct(self, rd: ChunkRead, rb: int, keys: Sequence[BlockKey], ti: int) -> list[int | None]:
+        """Read ``rd``'s records from tier ``ti`` into its slab; each record's source (None from the
+        first one missing on). Fills ``rd.spans``/``rd.nbytes`` and the read metrics."""
+        tier: Any = self.tiers[ti]
+        n = rd.end - rd.start
+        t0 = time.perf_counter()
+        try:
+            results = tier.read_slab_now(keys[rd.start:rd.end], rd.slab.array[:n * rb], rb)
+        except Exception as e:
+            self.metrics.errors.labels(tier.name, "read").inc()
+            log.warning("read of %d blocks from tier %s failed: %s", n, tier.name, e)
+            results = []
+        t1 = time.perf_counter()
+        got = next((j for j, r in enumerate(results) if r is None or r < rb), len(results))
+        self.metrics.read_seconds.labels(tier.name).observe(t1 - t0)
+        self.metrics.read_bytes.labels(tier.name).inc(got * rb)
+        if got < n:
+            self.metrics.misses.labels(tier.name).inc(n - got)
+        rd.spans[ti] = [(t0, t1)]
+        rd.nbytes[ti] = got * rb
+        return [ti] * got + [None] * (n - got)

@@ -1,0 +1,104 @@
+"""A restore of one chunk from a tier that reads on the caller: two parts when large enough, the
+second on a helper thread while the first is verified; the slab is freed whoever finishes last."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+import dynamo_tiered_kv.store_direct_reads as sdr
+from dynamo_tiered_kv.staging import StagingPool
+from dynamo_tiered_kv.tiers.ssd import SSDTier
+from tests.test_store import REC, block_bytes, make_layout
+from tests.test_store_pipeline import _all_slabs_back, _filled
+
+
+@pytest.fixture
+def pool() -> Iterator[StagingPool]:
+    p = StagingPool(8 * REC, 6, pin=False)
+    yield p
+    p.close()
+
+
+def _spied(ssd: SSDTier, gate: threading.Event | None = None) -> list[tuple[int, str]]:
+    """Record (records, thread name) of each ``read_slab_now``; a helper's read waits for ``gate``."""
+    calls: list[tuple[int, str]] = []
+    real = ssd.read_slab_now
+
+    def spy(keys, dest, rb):
+        name = threading.current_thread().name
+        calls.append((len(keys), name))
+        if gate is not None and name.startswith("dtkv-readnow"):
+            gate.wait(10)
+        return real(keys, dest, rb)
+
+    ssd.read_slab_now = spy  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.fixture
+def ssd(tmp_path, monkeypatch) -> SSDTier:
+    monkeypatch.setattr(sdr, "SPLIT_MIN_BYTES", 4 * REC)  # tiny test records: split from 4 on
+    return SSDTier(tmp_path / "ssd", capacity_bytes=64 * REC, segment_bytes=64 * REC, io="odirect")
+
+
+def test_first_part_sizes() -> None:
+    rb = 1 << 20
+    assert sdr.first_part(7, rb) == 7  # 7 MiB: one read
+    assert sdr.first_part(8, rb) == 6
+    assert sdr.first_part(15, rb) == 11  # a 2k-token prefix at 8 KiB/token
+    assert sdr.first_part(1, 64 << 20) == 1
+    assert sdr.first_part(2, 8 << 20) == 1
+
+
+def test_large_direct_load_reads_its_rest_on_a_helper_while_the_first_part_is_verified(pool, ssd) -> None:
+    store, src, keys = _filled([ssd], pool, 8, load_chunk_bytes=4 * REC, load_first_chunk_bytes=REC)
+    calls = _spied(ssd)
+    with store:
+        dst = make_layout(64)
+        res = store.load(dst, list(range(30, 38)), keys, timeout=10)
+        assert res.loaded_block_ids == list(range(30, 38)) and res.tier_per_block == ["ssd"] * 8
+        for s, d in zip(range(1, 9), range(30, 38), strict=True):
+            assert block_bytes(src, s) == block_bytes(dst, d)
+        caller = threading.current_thread().name
+        assert [n for n, _ in calls] == [6, 2] and calls[0][1] == caller and calls[1][1].startswith("dtkv-readnow")
+        assert res.stages.chunks == 2 and res.stages.read_bytes == {"ssd": 8 * REC}
+        assert store.metrics.value("restore_bytes_total", tier="ssd") == 8 * REC
+        calls.clear()
+        res = store.load(dst, list(range(40, 43)), keys[:3], timeout=10)  # below the split size
+        assert res.loaded_block_ids == list(range(40, 43)) and calls == [(3, caller)]
+    _all_slabs_back(pool)
+
+
+@pytest.mark.parametrize("bad", [2, 7])  # a record of the first part, of the second
+def test_a_corrupt_record_fails_from_there_on_in_either_part(pool, ssd, bad: int) -> None:
+    store, src, keys = _filled([ssd], pool, 8, load_chunk_bytes=4 * REC, load_first_chunk_bytes=REC)
+    with store:
+        seq, off, _ = ssd._index.get(keys[bad])
+        with open(ssd._segments[seq].path, "r+b") as f:
+            f.seek(off + REC - 64)
+            b = f.read(1)
+            f.seek(off + REC - 64)
+            f.write(bytes([b[0] ^ 0x01]))
+        dst = make_layout(64)
+        res = store.load(dst, list(range(30, 38)), keys, timeout=10)
+        assert res.loaded_block_ids == list(range(30, 30 + bad))
+        assert res.failed_block_ids == list(range(30 + bad, 38))
+        for s, d in zip(range(1, bad + 1), range(30, 30 + bad), strict=True):
+            assert block_bytes(src, s) == block_bytes(dst, d)
+    _all_slabs_back(pool)
+
+
+def test_timeout_while_the_helper_reads_frees_its_slab_when_the_read_returns(pool, ssd) -> None:
+    store, _, keys = _filled([ssd], pool, 8, load_chunk_bytes=4 * REC, load_first_chunk_bytes=REC)
+    gate = threading.Event()
+    _spied(ssd, gate)
+    with store:
+        dst = make_layout(64)
+        res = store.load(dst, list(range(30, 38)), keys, timeout=0.3)
+        assert res.loaded_block_ids == list(range(30, 36)) and res.failed_block_ids == [36, 37]
+        assert pool.free_count < len(pool.slabs)  # the helper still reads into its slab
+        gate.set()
+        _all_slabs_back(pool)
