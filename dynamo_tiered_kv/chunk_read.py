@@ -21,6 +21,12 @@ class Handoff:
         self.abandoned = False
         self.done = False
 
+    def finish(self) -> bool:
+        """The reader is past its I/O: whether the caller gave up, so the reader frees the slab."""
+        with self.lock:
+            self.done = True
+            return self.abandoned
+
 
 @dataclass
 class ChunkRead:

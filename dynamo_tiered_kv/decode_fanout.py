@@ -11,31 +11,16 @@ blocks, so no two threads write the same bytes. Used only while nobody limits th
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from typing import Any
+
+from .helper_pools import helper_pool
 
 #: threads per chunk, the caller's included (more rarely helps: memory bandwidth is shared)
 WAYS = max(1, min(4, os.cpu_count() or 1))
 #: smallest range worth a thread (per-call overhead, a wake-up)
 MIN_BYTES_PER_WAY = 2 << 20
-
-#: process-wide, shared by every store and loading thread, idle when unused; created once under
-#: ``_pool_lock`` (loads on several threads may start at once), never replaced
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _helpers() -> ThreadPoolExecutor:
-    global _pool
-    pool = _pool
-    if pool is None:
-        with _pool_lock:
-            if _pool is None:
-                _pool = ThreadPoolExecutor(max(1, WAYS - 1), thread_name_prefix="dtkv-decode")
-            pool = _pool
-    return pool
 
 
 def fan_out(n: int, record_bytes: int, decode: Callable[[int, int], list[Any]], ways: int | None = None) -> list[Any]:
@@ -46,7 +31,7 @@ def fan_out(n: int, record_bytes: int, decode: Callable[[int, int], list[Any]], 
     if ways < 2:
         return decode(0, n)
     bounds = [n * i // ways for i in range(ways + 1)]
-    pool = _helpers()
+    pool = helper_pool("dtkv-decode", WAYS - 1)
     futures = [pool.submit(decode, bounds[i], bounds[i + 1]) for i in range(1, ways)]
     try:
         out = decode(bounds[0], bounds[1])

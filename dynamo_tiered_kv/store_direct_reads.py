@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .chunk_read import ChunkRead, Handoff
+from .helper_pools import helper_pool
 from .keys import BlockKey
 from .metrics import StoreMetrics
 from .staging import Slab
@@ -35,22 +34,6 @@ SPLIT_MIN_BYTES = 8 << 20
 #: long to read as the first part takes to verify+scatter (reading ran ~4x slower than
 #: verify+scatter per byte on the Xeon VM), and the less is left the less is verified at the end
 FIRST_SHARE = 0.75
-
-#: process-wide, shared by every store, idle when unused; created once under ``_pool_lock``
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _helpers() -> ThreadPoolExecutor:
-    global _pool
-    pool = _pool
-    if pool is None:
-        with _pool_lock:
-            if _pool is None:
-                _pool = ThreadPoolExecutor(2, thread_name_prefix="dtkv-readnow")
-            pool = _pool
-    return pool
-
 
 def first_part(n: int, rb: int) -> int:
     """Records a direct load of ``n`` records of ``rb`` bytes reads first, on the calling thread."""
@@ -86,13 +69,10 @@ class DirectReads:
             try:
                 return self._read_direct(rd, rb, keys, ti)
             finally:
-                with rd.hand.lock:
-                    rd.hand.done = True
-                    abandoned = rd.hand.abandoned
-                if abandoned:
+                if rd.hand.finish():
                     self._release(rd.slab)
 
-        rd.fut = _helpers().submit(read)
+        rd.fut = helper_pool("dtkv-readnow", 2).submit(read)
         return rd
 
     def _read_direct(self, rd: ChunkRead, rb: int, keys: Sequence[BlockKey], ti: int) -> list[int | None]:

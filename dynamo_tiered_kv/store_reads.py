@@ -419,10 +419,7 @@ class ChunkReads(DirectReads):
                     break
             return sources
         finally:
-            with rd.hand.lock:
-                rd.hand.done = True
-                abandoned = rd.hand.abandoned
-            if abandoned:
+            if rd.hand.finish():
                 self._release(rd.slab)
 
     def _tier_chunk_bytes(self, sources: set[int | None]) -> int | None:

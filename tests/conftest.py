@@ -1,7 +1,10 @@
 """Project-wide test setup: GPU tests skip cleanly on machines without CUDA; ``helm`` for every
-test that renders the chart (installed on first use, whichever test comes first)."""
+test that renders the chart (installed on first use, whichever test comes first);
+``no_dtkv_env`` for tests whose settings must not come from the shell's environment."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -24,3 +27,11 @@ def helm() -> str:
     if path is None:
         pytest.skip(why)
     return path
+
+
+@pytest.fixture
+def no_dtkv_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``DYN_TIERED_KV_*`` setting of the environment reaches the test."""
+    for k in list(os.environ):
+        if k.startswith("DYN_TIERED_KV_"):
+            monkeypatch.delenv(k)

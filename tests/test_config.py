@@ -8,14 +8,7 @@ from dynamo_tiered_kv.config import TieredKVConfig
 from dynamo_tiered_kv.errors import ConfigError
 from dynamo_tiered_kv.sizes import parse_size
 
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
-    for k in list(os.environ):
-        if k.startswith("DYN_TIERED_KV_"):
-            monkeypatch.delenv(k)
+pytestmark = pytest.mark.usefixtures("no_dtkv_env")
 
 
 def test_defaults_and_mapping() -> None:

@@ -12,14 +12,7 @@ from dynamo_tiered_kv.factory import build_store
 from dynamo_tiered_kv.keys import Namespace, chain_keys, parents_of
 from dynamo_tiered_kv.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
-    for k in list(os.environ):
-        if k.startswith("DYN_TIERED_KV_"):
-            monkeypatch.delenv(k)
+pytestmark = pytest.mark.usefixtures("no_dtkv_env")
 
 
 def _layout(seed: int) -> EngineLayout:

@@ -29,13 +29,7 @@ from dynamo_tiered_kv.tiers.objectstore.manifest import Manifest
 NS = Namespace("tiny", "bfloat16", "KV_SPLIT", 16, 2, 2, 64)
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
-    for k in list(os.environ):
-        if k.startswith("DYN_TIERED_KV_"):
-            monkeypatch.delenv(k)
+pytestmark = pytest.mark.usefixtures("no_dtkv_env")
 
 
 def _layout(seed: int) -> EngineLayout:

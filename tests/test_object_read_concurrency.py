@@ -22,13 +22,7 @@ pytest_plugins = ["infra.fixtures_s3"]
 NS = Namespace("tiny", "bfloat16", "KV_SPLIT", 16, 2, 2, 64)
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
-    for k in list(os.environ):
-        if k.startswith("DYN_TIERED_KV_"):
-            monkeypatch.delenv(k)
+pytestmark = pytest.mark.usefixtures("no_dtkv_env")
 
 
 def test_default_and_every_source(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import pytest
@@ -45,10 +44,8 @@ async def test_foreign_namespace_under_the_same_key_is_a_miss(tmp_path: Path) ->
         await t.close()
 
 
-def test_build_store_gives_the_ssd_tier_its_namespace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in list(os.environ):
-        if k.startswith("DYN_TIERED_KV_"):
-            monkeypatch.delenv(k)
+@pytest.mark.usefixtures("no_dtkv_env")
+def test_build_store_gives_the_ssd_tier_its_namespace(tmp_path: Path) -> None:
     ns = Namespace("tiny", "bfloat16", "KV_SPLIT", 16, 2, 2, 64)
     cfg = TieredKVConfig.from_mapping({"host_capacity_bytes": 0, "ssd_dir": str(tmp_path / "ssd"),
                                        "ssd_capacity_bytes": 64 << 20, "ssd_segment_bytes": 1 << 20,

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-import dynamo_tiered_kv.decode_fanout as fanout
+import dynamo_tiered_kv.helper_pools as pools
 from dynamo_tiered_kv.keys import parents_of
 from dynamo_tiered_kv.pacing import StepShare
 from dynamo_tiered_kv.policy import Admission, Retention
@@ -219,27 +219,29 @@ def test_host_tier_reads_pins_writes_and_deletes() -> None:
         assert sorted(in_index + tier._free) == list(range(24))  # every chunk once: free or one record's
 
 
-def test_decode_helpers_created_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_helper_pools_created_once(monkeypatch: pytest.MonkeyPatch) -> None:
     made: list[object] = []
-    real = fanout.ThreadPoolExecutor
+    real = pools.ThreadPoolExecutor
 
     def slow_pool(*a, **kw):
         time.sleep(0.01)  # widen the window between the check and the assignment
         made.append(object())
         return real(*a, **kw)
 
-    monkeypatch.setattr(fanout, "_pool", None)
-    monkeypatch.setattr(fanout, "ThreadPoolExecutor", slow_pool)
+    monkeypatch.setattr(pools, "_pools", {})
+    monkeypatch.setattr(pools, "ThreadPoolExecutor", slow_pool)
     got: list[object] = []
-    threads = [threading.Thread(target=lambda: got.append(fanout._helpers())) for _ in range(6)]
+    threads = [threading.Thread(target=lambda: got.append(pools.helper_pool("dtkv-test", 2))) for _ in range(6)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(10)
     try:
         assert len(made) == 1 and len({id(g) for g in got}) == 1
+        assert pools.helper_pool("dtkv-other", 1) is not got[0] and len(made) == 2  # one pool per name
     finally:
-        got[0].shutdown()  # type: ignore[attr-defined]
+        for p in pools._pools.values():
+            p.shutdown()
 
 
 def test_residency_hooks_replaced_while_tiers_evict() -> None:

@@ -4,7 +4,6 @@ or the default (``factory.tier_summary``)."""
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import pytest
@@ -16,11 +15,7 @@ from dynamo_tiered_kv.keys import Namespace
 NS = Namespace("tiny", "bfloat16", "KV_SPLIT", 16, 2, 2, 64)
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in list(os.environ):
-        if k.startswith("DYN_TIERED_KV_"):
-            monkeypatch.delenv(k)
+pytestmark = pytest.mark.usefixtures("no_dtkv_env")
 
 
 def test_build_store_logs_one_line_of_tiers(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
