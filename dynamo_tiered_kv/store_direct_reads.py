@@ -35,6 +35,7 @@ SPLIT_MIN_BYTES = 8 << 20
 #: verify+scatter per byte on the Xeon VM), and the less is left the less is verified at the end
 FIRST_SHARE = 0.75
 
+
 def first_part(n: int, rb: int) -> int:
     """Records a direct load of ``n`` records of ``rb`` bytes reads first, on the calling thread."""
     if n < 2 or n * rb < SPLIT_MIN_BYTES:
