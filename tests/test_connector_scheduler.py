@@ -186,7 +186,7 @@ class _FailingStore:
         self.bad = bad
         self.offloads: list[list[int]] = []
 
-    def load(self, layout, ids, keys, timeout=None, pacer=None):
+    def load(self, layout, ids, keys, timeout=None, pacer=None, decode_threads=None):
         from dynamo_tiered_kv.store import LoadResult
 
         ok = [b for b in ids if b not in self.bad]

@@ -22,7 +22,7 @@ class _SlowStore:
         self.delay = delay
         self.timeouts: list[float] = []
 
-    def load(self, layout, ids, keys, timeout=None, pacer=None):
+    def load(self, layout, ids, keys, timeout=None, pacer=None, decode_threads=None):
         from dynamo_tiered_kv.store import LoadResult
 
         self.timeouts.append(timeout)
