@@ -105,8 +105,10 @@ class WorkerRole:
         # Unique per worker process on the host: names its SSD directory and offsets its metrics port.
         rank = (self.dp_rank * self.pp_size + self.pp_rank) * self.tp_size + self.tp_rank
         self.store = build_store(self.config, self.namespace, rank=rank)
-        log.info("TieredKVConnector worker: layout %s %s, %d blocks, tiers %s", layout.kind.name, layout.shape,
-                 layout.num_blocks, [t.name for t in self.store.tiers])
+        log.info("TieredKVConnector worker: layout %s %s, %d blocks, tiers %s%s", layout.kind.name, layout.shape,
+                 layout.num_blocks, [t.name for t in self.store.tiers],
+                 "" if self._sync_decode_threads is None else
+                 f", synchronous restores verify on {self._sync_decode_threads} thread(s) (see cpu_threads)")
         if self._exports_hints:
             self._export_hint_stats(self.store)
         if self.tp_rank == 0 and self.pp_rank == 0:  # one lookup server per engine
