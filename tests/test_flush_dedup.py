@@ -7,8 +7,10 @@ object tier or carries a retention its manifest would record.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +90,18 @@ def _wait_ready(store: TieredStore) -> None:
     assert objects.index_ready
 
 
+@contextlib.contextmanager
+def _store(tmp_path: Path, ready: bool = False) -> Iterator[TieredStore]:
+    """The test's store, closed on exit; ``ready``: once its object index has loaded (a restart)."""
+    store = build_store(_config(tmp_path), NS)
+    try:
+        if ready:
+            _wait_ready(store)
+        yield store
+    finally:
+        store.close()
+
+
 def _loads_back(store: TieredStore, keys: list[BlockKey], src: EngineLayout, src_ids: list[int]) -> None:
     dst = _layout(99)
     ids = list(range(16 - len(keys), 16))
@@ -101,8 +115,7 @@ def _loads_back(store: TieredStore, keys: list[BlockKey], src: EngineLayout, src
 def test_promoted_blocks_are_not_uploaded_again(tmp_path: Path, promote: str) -> None:
     src = _layout(1)
     old = chain_keys(NS, np.arange(16 * 6))[:4]
-    store = build_store(_config(tmp_path), NS)
-    try:
+    with _store(tmp_path) as store:
         # six blocks in the first segment, four of them come back: the new segment's layout differs
         _offload(store, src, [0, 1, 2, 3, 4, 5], chain_keys(NS, np.arange(16 * 6)))
         _seal_and_flush(store)
@@ -132,16 +145,13 @@ def test_promoted_blocks_are_not_uploaded_again(tmp_path: Path, promote: str) ->
         assert st.flushed_segments == before.flushed_segments
         assert not ssd.unflushed_segments()  # marked flushed: evictable like any flushed segment
         assert "dtkv_flush_already_stored_segments_total 1.0" in _scrape(store)
-    finally:
-        store.close()
 
 
 def test_a_segment_mixing_promoted_and_new_blocks_is_uploaded(tmp_path: Path) -> None:
     src = _layout(1)
     old = chain_keys(NS, np.arange(16 * 4))
     new = chain_keys(NS, np.arange(5000, 5000 + 16 * 3))
-    store = build_store(_config(tmp_path), NS)
-    try:
+    with _store(tmp_path) as store:
         _offload(store, src, [0, 1, 2, 3], old)
         _seal_and_flush(store)
         data, manifests = _objects(tmp_path)
@@ -153,15 +163,11 @@ def test_a_segment_mixing_promoted_and_new_blocks_is_uploaded(tmp_path: Path) ->
         assert len(data2) == len(data) + 1 and len(manifests2) == len(manifests) + 1
         st = store.flusher.stats  # type: ignore[attr-defined]
         assert st.already_stored_segments == 0 and st.flushed_segments == 2
-    finally:
-        store.close()
     # after a restart both the promoted and the new blocks load, with the SSD kept and wiped
     for wipe in (False, True):
         if wipe:
             shutil.rmtree(tmp_path / "ssd")
-        store = build_store(_config(tmp_path), NS)
-        try:
-            _wait_ready(store)
+        with _store(tmp_path, ready=True) as store:
             assert store.lookup(old + new).num_blocks == 7
             if wipe:
                 assert set(store.lookup(old + new).tier_per_block) == {"object"}
@@ -169,15 +175,12 @@ def test_a_segment_mixing_promoted_and_new_blocks_is_uploaded(tmp_path: Path) ->
             _loads_back(store, new, src, [4, 5, 6])
             assert store._call(store.flusher.drain(30), timeout=40)  # type: ignore[attr-defined]
             assert _objects(tmp_path) == (data2, manifests2)  # a restart uploads nothing again
-        finally:
-            store.close()
 
 
 def test_skipped_segment_still_loads_after_a_restart(tmp_path: Path) -> None:
     src = _layout(1)
     old = chain_keys(NS, np.arange(16 * 4))
-    store = build_store(_config(tmp_path), NS)
-    try:
+    with _store(tmp_path) as store:
         _offload(store, src, [0, 1, 2, 3], old)
         _seal_and_flush(store)
         objects = _objects(tmp_path)
@@ -185,34 +188,23 @@ def test_skipped_segment_still_loads_after_a_restart(tmp_path: Path) -> None:
         _loads_back(store, old, src, [0, 1, 2, 3])
         _seal_and_flush(store)
         assert store.flusher.stats.already_stored_segments == 1  # type: ignore[attr-defined]
-    finally:
-        store.close()
-    store = build_store(_config(tmp_path), NS)  # the SSD copy recovers as flushed: nothing to upload
-    try:
-        _wait_ready(store)
+    with _store(tmp_path, ready=True) as store:  # the SSD copy recovers as flushed: nothing to upload
         assert not store.tiers[1].unflushed_segments()
         assert store.lookup(old).tier_per_block == ("ssd",) * 4
         _loads_back(store, old, src, [0, 1, 2, 3])
         assert store._call(store.flusher.drain(30), timeout=40)  # type: ignore[attr-defined]
         assert _objects(tmp_path) == objects
-    finally:
-        store.close()
     shutil.rmtree(tmp_path / "ssd")  # and from the object tier alone: the copy the skip relied on
-    store = build_store(_config(tmp_path), NS)
-    try:
-        _wait_ready(store)
+    with _store(tmp_path, ready=True) as store:
         assert store.lookup(old).tier_per_block == ("object",) * 4
         _loads_back(store, old, src, [0, 1, 2, 3])
-    finally:
-        store.close()
 
 
 def test_a_retained_promoted_block_is_uploaded_with_its_retention(tmp_path: Path) -> None:
     """kv.retain after the first upload: only a new manifest records the new priority and expiry."""
     src = _layout(1)
     old = chain_keys(NS, np.arange(16 * 4))
-    store = build_store(_config(tmp_path), NS)
-    try:
+    with _store(tmp_path) as store:
         _offload(store, src, [0, 1, 2, 3], old)
         _seal_and_flush(store)
         _, manifests = _objects(tmp_path)
@@ -230,8 +222,6 @@ def test_a_retained_promoted_block_is_uploaded_with_its_retention(tmp_path: Path
         m = Manifest.from_bytes(fresh[0].read_bytes())
         assert {e.key for e in m.entries} == set(old)
         assert sorted(m.retain) == [(i, 70, expiry) for i in range(len(old))]
-    finally:
-        store.close()
 
 
 async def test_flusher_marks_a_segment_whose_records_are_all_indexed(tmp_path: Path) -> None:
