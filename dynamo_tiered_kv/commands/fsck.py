@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from .. import settings_cli
 from ..errors import TierUnavailable
+from ._targets import missing_local_root
 
 if TYPE_CHECKING:
     from ..tiers.objectstore.fsck import FsckReport
@@ -80,6 +81,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _fsck_url(target: str, settings: settings_cli.Settings, as_json: bool) -> int:
     from ..tiers.objectstore.fsck import fsck_url
+
+    missing = missing_local_root(target)
+    if missing:
+        print(f"dtkv fsck: {missing}", file=sys.stderr)
+        return 2
 
     async def go() -> FsckReport:
         return await fsck_url(target, **settings.s3_kwargs())

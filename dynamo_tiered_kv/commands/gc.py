@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from .. import settings_cli
 from ..config import TieredKVConfig
 from ..errors import TierUnavailable
+from ._targets import missing_local_root
 
 if TYPE_CHECKING:
     from ..tiers.objectstore.gc import GcReport
@@ -66,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
     target = args.target or settings.config.object_url
     if not target or not is_object_url(target):
         print("dtkv gc: TARGET must be s3://bucket/prefix or file:///dir (or set object_url)", file=sys.stderr)
+        return 2
+    missing = missing_local_root(target)
+    if missing:
+        print(f"dtkv gc: {missing}", file=sys.stderr)
         return 2
     ttl = settings.config.object_ttl_s if isinstance(args.ttl, _DefaultTTL) else args.ttl
 
