@@ -51,9 +51,14 @@ class TieredKVConfig(BaseSettings):
 
     # --- G3 SSD tier --------------------------------------------------------------------------
     ssd_dir: Path | None = Field(None, description="local NVMe directory; None disables the SSD tier")
-    ssd_capacity_bytes: int = Field(64 * GiB, gt=0)
-    ssd_segment_bytes: int = Field(256 * MiB, ge=1 * MiB)
-    ssd_io: Literal["auto", "nixl", "odirect", "buffered"] = "auto"
+    ssd_capacity_bytes: int = Field(64 * GiB, gt=0, description="SSD bytes this worker may fill under ssd_dir; "
+                                    "older segments are evicted beyond it")
+    ssd_segment_bytes: int = Field(256 * MiB, ge=1 * MiB, description="size of one SSD segment file, the unit of "
+                                   "eviction and upload (at most a quarter of ssd_capacity_bytes)")
+    ssd_io: Literal["auto", "nixl", "odirect", "buffered"] = Field(
+        "auto", description="SSD I/O path: auto (NIXL POSIX if it passes its probe, else O_DIRECT), nixl, odirect, "
+        "or buffered (filesystems that refuse O_DIRECT fall back to it)"
+    )
     ssd_ttl_s: float = Field(24 * 3600.0, gt=0, description="SSD retention (hours)")
     ssd_seal_idle_s: float = Field(5.0, gt=0, description="seal the open segment after this idle time")
     ssd_allow_evict_unflushed: bool = Field(False, description="drop segments not yet in the object tier")
@@ -89,12 +94,18 @@ class TieredKVConfig(BaseSettings):
     flush_queue_segments: int = Field(16, ge=1, description="bounded flusher queue")
 
     # --- staging, admission, engine-facing -----------------------------------------------------
-    staging_slab_bytes: int = Field(32 * MiB, ge=64 * 1024)
-    staging_slabs: int = Field(8, ge=1)
+    staging_slab_bytes: int = Field(
+        32 * MiB, ge=64 * 1024, description="size of one host staging slab (locked in memory, pinned for CUDA): "
+        "records move between the engine and the tiers through these"
+    )
+    staging_slabs: int = Field(8, ge=1, description="number of host staging slabs")
     gpu_staging_slabs: int = Field(
         2, ge=1, description="GPU-direct only: device slabs of staging_slab_bytes each, taken from GPU memory"
     )
-    admission: Literal["always", "second_hit"] = "always"
+    admission: Literal["always", "second_hit"] = Field(
+        "always", description="always: every offloaded block goes to every tier; second_hit: to SSD and objects "
+        "only once the block was seen twice"
+    )
     min_prefix_blocks: int = Field(1, ge=1, description="only offload prefixes at least this long")
     max_pending_offloads: int = Field(64, ge=1, description="queued offload batches before dropping")
     retain_max_share: float = Field(
