@@ -27,9 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# Bounds on what one request may make us parse: JSON text, and actions looked at per envelope.
-MAX_ENVELOPE_JSON_BYTES = 4 << 20
-MAX_ENVELOPE_ACTIONS = 256
+from .limits import MAX_ENVELOPE_ACTIONS, MAX_ENVELOPE_JSON_BYTES
+
 TRANSFER_PARAMS_KEYS = ("kv_hints", "kv_hint")
 
 

@@ -34,12 +34,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .envelope import HintAction, HintRejected
+from .limits import MAX_FETCH_ACTIONS, MAX_FETCH_HASHES, MAX_PREFETCH_ACTIONS, MAX_SCOPE_CHARS
 from .stats import HintStats
 
 PREFETCH_ACTION = "dtkv.prefetch"
 FETCH_ACTION = "kv.fetch"
-MAX_SCOPE_CHARS = 256
-MAX_FETCH_HASHES = 1 << 16
 _PREFETCH_FIELDS = frozenset({"scope", "start", "end"})
 _U64 = 1 << 64
 
@@ -110,12 +109,17 @@ def parse_fetch(action: HintAction) -> FetchHint:
 
 
 def collect_prefetch(actions: Iterable[HintAction], stats: HintStats) -> tuple[list[PrefetchHint], list[FetchHint]]:
-    """The valid prefetch and fetch actions of an envelope; invalid ones are counted and skipped."""
+    """The valid prefetch and fetch actions of an envelope; invalid ones are counted and skipped,
+    and those past ``MAX_PREFETCH_ACTIONS``/``MAX_FETCH_ACTIONS`` valid ones are dropped (counted)."""
     prefetch: list[PrefetchHint] = []
     fetch: list[FetchHint] = []
     for action in actions:
         kind = action.action_type
         if kind not in (PREFETCH_ACTION, FETCH_ACTION):
+            continue
+        kept, cap = (prefetch, MAX_PREFETCH_ACTIONS) if kind == PREFETCH_ACTION else (fetch, MAX_FETCH_ACTIONS)
+        if len(kept) >= cap:  # checked before parsing: a flood costs a counter, not a parse each
+            stats.action(kind, "dropped")
             continue
         try:
             if kind == PREFETCH_ACTION:

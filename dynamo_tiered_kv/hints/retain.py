@@ -2,7 +2,7 @@
 
 Payload::
 
-    {"scope": str | null,
+    {"scope": str | null,             # 1-256 characters (``limits.MAX_SCOPE_CHARS``)
      "directives": [{"start": int, "end": int | null, "priority": int, "duration": number | null}
                     | {"covers_output": true, "priority": int, "duration": number | null}]}
 
@@ -30,14 +30,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from .envelope import HintAction, HintRejected
+from .limits import MAX_DIRECTIVES, MAX_RETAIN_ACTIONS, MAX_SCOPE_CHARS
 from .stats import HintStats
 
 RETAIN_ACTION = "kv.retain"
 RETAIN_MAJOR = 1
 MAX_PRIORITY = 100
 MAX_DURATION_S = 30 * 24 * 3600.0
-MAX_RETAIN_ACTIONS = 16
-MAX_DIRECTIVES = 128
 _FIELDS = frozenset({"start", "end", "priority", "duration", "covers_output"})
 
 
@@ -135,8 +134,8 @@ def parse_retain(action: HintAction, budget: int = MAX_DIRECTIVES) -> tuple[Reta
         raise HintRejected("version", f"unsupported {RETAIN_ACTION} version {action.action_version!r}")
     payload: Mapping[str, Any] = action.payload
     scope = payload.get("scope")
-    if scope is not None and not isinstance(scope, str):
-        raise HintRejected("scope", "scope must be a string or null")
+    if scope is not None and (not isinstance(scope, str) or not 0 < len(scope) <= MAX_SCOPE_CHARS):
+        raise HintRejected("scope", f"scope must be null or a string of 1-{MAX_SCOPE_CHARS} characters")
     raw = payload.get("directives")
     if not isinstance(raw, list):
         raise HintRejected("directives", "directives must be a list")
