@@ -17,8 +17,8 @@ from dynamo_tiered_kv.hints.sessions import RetentionCursor, SessionScopes, ends
 
 def _directives(rng: random.Random, n: int, tokens: int) -> tuple[RetainDirective, ...]:
     """``n`` random directives whose priorities never increase along the token axis."""
-    starts = sorted(rng.randrange(tokens) for _ in range(n))
-    prios = sorted((rng.randint(0, 100) for _ in range(n)), reverse=True)
+    starts = sorted([0] + [rng.randrange(tokens) for _ in range(n - 1)])  # from 0: a prefix is protected
+    prios = sorted((rng.randint(1, 100) for _ in range(n)), reverse=True)
     out = []
     for s, p in zip(starts, prios):
         end = None if rng.random() < 0.3 else s + rng.randint(1, tokens)
@@ -42,6 +42,7 @@ def test_the_cursor_gives_every_block_what_a_full_plan_gives(seed: int) -> None:
     full = plan_retention(claim.directives, block_size=bs, num_prompt_tokens=prompt,
                           num_output_tokens=max(0, total - prompt), now=now, num_blocks=blocks)
     assert got == full.blocks()
+    assert any(r is not None and r.priority > 0 for r in got)  # the plan protects something
     assert dict(cursor.span(0, blocks)) == {i: r for i, r in enumerate(full.blocks()) if r is not None}
 
 
