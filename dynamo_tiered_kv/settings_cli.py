@@ -163,3 +163,95 @@ def describe_s3_failure(url: str, settings: Settings, exc: BaseException) -> str
     else:
         hint = ""
     return f"cannot reach {url} at {endpoint} ({'; '.join(used)}): {reason}" + (f" — {hint}" if hint else "")
+
+
+# --- the reference table of every setting (docs/CONFIG.md) -------------------------------------------
+TABLE_BEGIN = "<!-- BEGIN settings table: generated from config.py by `python -m dynamo_tiered_kv.settings_cli " \
+              "--write docs/CONFIG.md` -->"
+TABLE_END = "<!-- END settings table -->"
+
+
+def _human_size(n: int) -> str:
+    for unit, shift in (("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}B"
+    return str(n)
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _human_seconds(s: float) -> str:
+    for unit, n in (("d", 86400), ("h", 3600), ("min", 60)):
+        if s >= n and s % n == 0:
+            return f"{_number(s)} ({_number(s / n)} {unit})"
+    return _number(s)
+
+
+def _default_text(name: str, value: Any) -> str:
+    if value is None:
+        return "unset"
+    if hasattr(value, "get_secret_value"):
+        return "empty" if not value.get_secret_value() else "(secret)"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if name.endswith("_bytes") and isinstance(value, int):
+        return _human_size(value)
+    if name.endswith("_s") and isinstance(value, (int, float)):
+        return _human_seconds(float(value))
+    return f"`{value}`"
+
+
+def _values_text(name: str, annotation: Any, metadata: list[Any]) -> str:
+    """What a value may be: the choices, or the kind and bounds."""
+    import typing
+
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    optional = type(None) in typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Literal:
+        return " / ".join(f"`{a}`" for a in args)
+    base = args[0] if optional and len(args) == 1 else annotation
+    kinds = {bool: "true / false", int: "integer", float: "number", str: "text", Path: "path"}
+    kind = ("size" if name.endswith("_bytes") else "seconds" if name.endswith("_s") and base is float
+            else kinds.get(base, "secret" if "Secret" in str(base) else str(base)))
+    bounds = []
+    for m in metadata:
+        for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            bound = getattr(m, attr, None)
+            if bound is not None:
+                bounds.append(f"{sign} {_human_size(bound) if kind == 'size' else _number(bound)}")
+    text = kind + (" " + ", ".join(bounds) if bounds else "")
+    return text + (", or unset" if optional else "")
+
+
+def settings_table() -> str:
+    """Markdown table of every ``TieredKVConfig`` setting: name, default, values, description.
+
+    Generated from the settings model, so the reference in docs/CONFIG.md cannot leave one out."""
+    rows = ["| setting | default | values | what it does |", "|---|---|---|---|"]
+    for name, f in TieredKVConfig.model_fields.items():
+        desc = " ".join((f.description or "").split()).replace("|", "\\|")
+        rows.append(f"| `{name}` | {_default_text(name, f.default)} | "
+                    f"{_values_text(name, f.annotation, f.metadata)} | {desc} |")
+    return "\n".join(rows)
+
+
+def with_settings_table(doc: str) -> str:
+    """``doc`` with the text between ``TABLE_BEGIN`` and ``TABLE_END`` replaced by ``settings_table()``."""
+    begin, end = doc.find(TABLE_BEGIN), doc.find(TABLE_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"no settings table markers ({TABLE_BEGIN!r} ... {TABLE_END!r}) in the document")
+    return doc[:begin] + TABLE_BEGIN + "\n" + settings_table() + "\n" + doc[end:]
+
+
+if __name__ == "__main__":
+    # python -m dynamo_tiered_kv.settings_cli                 print the table
+    # python -m dynamo_tiered_kv.settings_cli --write FILE    rewrite the table between the markers in FILE
+    if len(sys.argv) == 3 and sys.argv[1] == "--write":
+        target = Path(sys.argv[2])
+        target.write_text(with_settings_table(target.read_text()))
+    elif len(sys.argv) == 1:
+        print(settings_table())
+    else:
+        sys.exit("usage: python -m dynamo_tiered_kv.settings_cli [--write FILE]")
