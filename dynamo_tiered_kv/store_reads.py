@@ -5,9 +5,10 @@ scattered on the calling thread, several chunks in flight.
   whole chunk), then ``load_chunk_bytes`` each; where every block comes from tiers that name
   their own ``load_chunk_bytes`` (host memory: nothing to overlap; the object tier: a request
   costs more than the overlap gains), chunks of that size (up to a slab) from the first. A load
-  of at most one chunk is read on the calling thread where its tier can (``read_slab_now``: no
-  hand-offs between threads), in two parts when large enough, the second on a helper thread
-  while the first is verified (``store_direct_reads``). Up to ``load_depth`` chunks are read ahead,
+  of at most one chunk is read without the loop where its tier can (``read_slab_now``: one
+  hand-off to a helper thread the caller waits for until the deadline; on the calling thread
+  when the load has none), in two parts when large enough, the second read while the first is
+  verified (``store_direct_reads``). Up to ``load_depth`` chunks are read ahead,
   each into its own staging slab taken without waiting (one slab is left free for offloads).
 * Within a chunk, every run of blocks whose fastest tier is the same is cut into up to the
   tier's read parallelism pieces (``read_parallelism``, or the object tier's ``max_concurrency``)
@@ -21,6 +22,7 @@ scattered on the calling thread, several chunks in flight.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections import deque
@@ -161,8 +163,10 @@ class ChunkReads(DirectReads):
         def remaining() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
+        after: concurrent.futures.Future | None = None  # the direct read of the previous part
+
         def start(wait: float | None) -> bool:
-            nonlocal next_i
+            nonlocal next_i, after
             if next_i == 0:
                 end = min(n, first)
             else:  # the rest in equal chunks: no small tail chunk left queued behind the others
@@ -180,8 +184,14 @@ class ChunkReads(DirectReads):
                     and getattr(self.tiers[only], "reads_in_place", False)):
                 inflight.append(ChunkRead(next_i, end, slab, None, Handoff(), in_place=only))
             elif only is not None and only == direct_ti and isinstance(slab, Slab):
-                read = self._read_now if next_i == 0 else self._read_soon
-                inflight.append(read(slab, rb, next_i, end, keys, only))
+                # with a deadline, read on a helper the caller stops waiting for at the deadline
+                # (a stalled device must not hold the engine's thread); parts in sequence
+                if next_i == 0 and deadline is None:
+                    rd = self._read_now(slab, rb, next_i, end, keys, only)
+                else:
+                    rd = self._read_soon(slab, rb, next_i, end, keys, only, after)
+                after = rd.fut
+                inflight.append(rd)
             else:
                 inflight.append(self._start_read(slab, rb, next_i, end, keys[next_i:end],
                                                  frugal=pacer is not None and pacer.limiting()))

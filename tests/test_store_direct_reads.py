@@ -1,5 +1,6 @@
-"""A restore of one chunk from a tier that reads on the caller: two parts when large enough, the
-second on a helper thread while the first is verified; the slab is freed whoever finishes last."""
+"""A restore of one chunk from a tier that reads without the store's loop: on a helper thread the
+caller waits for until its deadline (on the caller when it has none), in two parts when large
+enough, the second read while the first is verified; the slab is freed whoever finishes last."""
 
 from __future__ import annotations
 
@@ -22,17 +23,21 @@ def pool() -> Iterator[StagingPool]:
     p.close()
 
 
-def _spied(ssd: SSDTier, gate: threading.Event | None = None) -> list[tuple[int, str]]:
-    """Record (records, thread name) of each ``read_slab_now``; a helper's read waits for ``gate``."""
-    calls: list[tuple[int, str]] = []
+def _spied(ssd: SSDTier, gate: threading.Event | None = None, gated: int | None = None) -> list[tuple[str, int, str]]:
+    """Record ("start"/"end", records, thread name) around each ``read_slab_now``; a helper's read
+    (of ``gated`` records, if given) waits for ``gate``."""
+    calls: list[tuple[str, int, str]] = []
     real = ssd.read_slab_now
 
     def spy(keys, dest, rb):
         name = threading.current_thread().name
-        calls.append((len(keys), name))
-        if gate is not None and name.startswith("dtkv-readnow"):
+        calls.append(("start", len(keys), name))
+        if gate is not None and name.startswith("dtkv-readnow") and gated in (None, len(keys)):
             gate.wait(10)
-        return real(keys, dest, rb)
+        try:
+            return real(keys, dest, rb)
+        finally:
+            calls.append(("end", len(keys), name))
 
     ssd.read_slab_now = spy  # type: ignore[method-assign]
     return calls
@@ -62,13 +67,32 @@ def test_large_direct_load_reads_its_rest_on_a_helper_while_the_first_part_is_ve
         assert res.loaded_block_ids == list(range(30, 38)) and res.tier_per_block == ["ssd"] * 8
         for s, d in zip(range(1, 9), range(30, 38), strict=True):
             assert block_bytes(src, s) == block_bytes(dst, d)
-        caller = threading.current_thread().name
-        assert [n for n, _ in calls] == [6, 2] and calls[0][1] == caller and calls[1][1].startswith("dtkv-readnow")
+        # a load with a deadline reads both parts on helpers, the second once the first returned
+        assert [(e, n) for e, n, _ in calls] == [("start", 6), ("end", 6), ("start", 2), ("end", 2)]
+        assert all(t.startswith("dtkv-readnow") for _, _, t in calls)
         assert res.stages.chunks == 2 and res.stages.read_bytes == {"ssd": 8 * REC}
         assert store.metrics.value("restore_bytes_total", tier="ssd") == 8 * REC
         calls.clear()
         res = store.load(dst, list(range(40, 43)), keys[:3], timeout=10)  # below the split size
-        assert res.loaded_block_ids == list(range(40, 43)) and calls == [(3, caller)]
+        assert res.loaded_block_ids == list(range(40, 43))
+        assert [(e, n) for e, n, _ in calls] == [("start", 3), ("end", 3)] and calls[0][2].startswith("dtkv-readnow")
+    _all_slabs_back(pool)
+
+
+def test_a_direct_load_without_a_deadline_reads_its_first_part_on_the_calling_thread(pool, ssd) -> None:
+    """Nothing to bound: no hand-off for the first part; the rest still on a helper."""
+    store, src, keys = _filled([ssd], pool, 8, load_chunk_bytes=4 * REC, load_first_chunk_bytes=REC)
+    calls = _spied(ssd)
+    with store:
+        dst = make_layout(64)
+        res = store.load(dst, list(range(30, 38)), keys, timeout=None)
+        assert res.loaded_block_ids == list(range(30, 38))
+        for s, d in zip(range(1, 9), range(30, 38), strict=True):
+            assert block_bytes(src, s) == block_bytes(dst, d)
+        caller = threading.current_thread().name
+        assert [(e, n, t == caller) for e, n, t in calls] == [("start", 6, True), ("end", 6, True),
+                                                             ("start", 2, False), ("end", 2, False)]
+        assert calls[2][2].startswith("dtkv-readnow")
     _all_slabs_back(pool)
 
 
@@ -94,7 +118,7 @@ def test_a_corrupt_record_fails_from_there_on_in_either_part(pool, ssd, bad: int
 def test_timeout_while_the_helper_reads_frees_its_slab_when_the_read_returns(pool, ssd) -> None:
     store, _, keys = _filled([ssd], pool, 8, load_chunk_bytes=4 * REC, load_first_chunk_bytes=REC)
     gate = threading.Event()
-    _spied(ssd, gate)
+    _spied(ssd, gate, gated=2)  # the second part's read
     with store:
         dst = make_layout(64)
         res = store.load(dst, list(range(30, 38)), keys, timeout=0.3)

@@ -114,9 +114,10 @@ def test_a_load_of_at_most_one_chunk_is_one_chunk_and_one_ssd_read(pool: Staging
     _all_slabs_back(pool)
 
 
-def test_a_one_chunk_ssd_load_reads_on_the_calling_thread(pool: StagingPool, tmp_path) -> None:
-    """No hand-off to the store's loop and an I/O thread and back for a small restore; a load of
-    several chunks still reads on the loop (read-ahead overlapping verify+scatter)."""
+def test_a_one_chunk_ssd_load_reads_on_one_helper_not_through_the_loop(pool: StagingPool, tmp_path) -> None:
+    """No hand-off to the store's loop and an I/O thread and back for a small restore: one read
+    on a helper the caller can stop waiting for (on the caller when the load has no deadline); a
+    load of several chunks still reads on the loop (read-ahead overlapping verify+scatter)."""
     from dynamo_tiered_kv.tiers.ssd import SSDTier
 
     ssd = SSDTier(tmp_path / "ssd", capacity_bytes=64 * REC, segment_bytes=64 * REC, io="odirect")
@@ -140,9 +141,13 @@ def test_a_one_chunk_ssd_load_reads_on_the_calling_thread(pool: StagingPool, tmp
         assert res.loaded_block_ids == list(range(30, 36)) and res.tier_per_block == ["ssd"] * 6
         for s, d in zip(range(1, 7), range(30, 36), strict=True):
             assert block_bytes(src, s) == block_bytes(dst, d)
-        assert threads == [("now", threading.current_thread())]
+        assert [w for w, _ in threads] == ["now"] and threads[0][1].name.startswith("dtkv-readnow")
         assert res.stages.read_bytes == {"ssd": 6 * REC} and res.stages.read_s["ssd"] > 0
         assert res.stages.chunks == 1
+        threads.clear()
+        res = store.load(dst, list(range(30, 36)), keys[:6], timeout=None)
+        assert res.loaded_block_ids == list(range(30, 36))
+        assert threads == [("now", threading.current_thread())]
         threads.clear()
         res = store.load(dst, list(range(40, 52)), keys, timeout=10)  # 12 blocks: more than a slab
         assert res.loaded_block_ids == list(range(40, 52))
