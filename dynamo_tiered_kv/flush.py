@@ -15,10 +15,14 @@ manifest (``ObjectTier.publish_segment``), then call ``mark_flushed``.
 * **Failures** (store down, breaker open) are counted; the segment is retried with exponential
   backoff on later scans. The flusher never blocks its callers: ``notify`` only sets an event.
 * **Already stored.** Blocks restored or prefetched from the object tier land in new SSD
-  segments. A segment whose every live record the object tier already indexes under the same
-  key and length (``ObjectTier.size_of``: its in-memory index, no I/O, safe from any thread) is
-  marked flushed without an upload and counted in ``already_stored_*``. One record the object
-  tier lacks uploads the whole file, as before.
+  segments. A segment whose every live record the bucket serves now under the same key and
+  length is marked flushed without an upload and counted in ``already_stored_*``. The object
+  tier's in-memory index is only the first filter: it may still list manifests deleted
+  elsewhere (another node's eviction, ``dtkv gc``) until its next full listing, and a segment
+  marked flushed on its word alone would hold the only copy of its blocks once the SSD evicts
+  it. So ``ObjectTier.holds_now`` confirms each serving object in the bucket (a HEAD of its
+  manifest and a LIST of its quarantine markers: a few requests per segment). One record the
+  bucket lacks, or one whose copy was reported corrupt, uploads the whole file, as before.
 * **Retention.** A publish records the protected entries' priority and expiry in its manifest
   (``retain_field``), which other nodes and restarts take over and ``dtkv gc`` honours past the
   TTL. The object tier does not remember in memory which retention the manifest serving a key
@@ -219,8 +223,9 @@ class Flusher:
             log.warning("flusher: segment %s vanished before upload", sid)
             self._stats = replace(self._stats, skipped_segments=self._stats.skipped_segments + 1)
             return
-        stored = self._already_stored(seg)
+        stored = False
         try:
+            stored = await self._already_stored(seg)  # asks the bucket: inside the retry path
             if not stored:
                 await self.tier.publish_segment(seg)
             await run_in_thread(self.source.mark_flushed, sid)  # fsyncs: off the loop
@@ -247,11 +252,14 @@ class Flusher:
             self._stats = replace(self._stats, flushed_segments=self._stats.flushed_segments + 1,
                                   flushed_bytes=self._stats.flushed_bytes + seg.size)
 
-    def _already_stored(self, seg: SealedSegment) -> bool:
-        """Whether publishing ``seg`` would add nothing: the object tier indexes every live record
-        (same key, same length) and none of them is protected, so the manifest would record no
-        retention (module docstring)."""
+    async def _already_stored(self, seg: SealedSegment) -> bool:
+        """Whether publishing ``seg`` would add nothing: the bucket serves every live record (same
+        key, same length) now and none of them is protected, so the manifest would record no
+        retention (module docstring). The index is asked first (memory only): most segments
+        hold a record it lacks and cost no request."""
         tier = self.tier
         if not seg.entries or not all(tier.size_of(e.key) == e.length for e in seg.entries):
             return False
-        return not retain_field(tier.retention, [e.key for e in seg.entries])
+        if retain_field(tier.retention, [e.key for e in seg.entries]):
+            return False
+        return await tier.holds_now(seg.entries)

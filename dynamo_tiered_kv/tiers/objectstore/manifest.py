@@ -59,6 +59,15 @@ def content_digest(size: int, entries: Sequence[SegmentEntry], sample: Callable[
     return h.hexdigest()
 
 
+def alternate_digest(digest: str, n: int) -> str:
+    """The ``n``-th alternate name digest of content ``digest`` (n >= 1): where the content is
+    uploaded again when the copy under its own name was reported corrupt (``writes.py``).
+    Derived, not random, so every node re-uploading the same content picks the same name."""
+    h = hashlib.blake2b(digest_size=16, person=b"dtkv-alt-v1")
+    h.update(f"{digest}/{n}".encode())
+    return h.hexdigest()
+
+
 def data_name(digest: str) -> str:
     return f"{DATA_DIR}{digest}.seg"
 

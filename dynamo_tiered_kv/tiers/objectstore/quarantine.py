@@ -76,6 +76,12 @@ async def write_marker(backend: ObjectBackend, marker: QuarantineMarker) -> bool
     return await backend.put_object(marker.name, marker.to_bytes(), if_absent=True)
 
 
+async def has_markers(backend: ObjectBackend, data: str) -> bool:
+    """Whether some node reported a record of data object ``data`` (one LIST of its markers).
+    Writers use it before reusing a stored copy (``writes.py``)."""
+    return bool(await backend.list(f"{QUARANTINE_DIR}{digest_of(data)}."))
+
+
 async def read_markers(backend: ObjectBackend) -> list[tuple[str, QuarantineMarker | None]]:
     """Every marker as (object name, marker or None if unreadable)."""
     out: list[tuple[str, QuarantineMarker | None]] = []
@@ -170,5 +176,5 @@ def new_marker(data: str, offset: int, length: int, key: bytes, reason: str, ori
     return QuarantineMarker(data, offset, length, key, reason, origin, time.time())
 
 
-__all__ = ["QUARANTINE_DIR", "QuarantineMarker", "QuarantineReport", "marker_name", "new_marker",
+__all__ = ["QUARANTINE_DIR", "QuarantineMarker", "QuarantineReport", "has_markers", "marker_name", "new_marker",
            "read_markers", "record_fails", "resolve_quarantine", "write_marker"]

@@ -20,6 +20,8 @@ class ObjectTierStats:
     objects_deduplicated: int = 0  # publish found the data already there (another node)
     evicted_objects: int = 0
     reuploaded_objects: int = 0  # data deleted (by gc) between our data and manifest puts
+    corrupt_copies_bypassed: int = 0  # stored copies not reused: records of them were reported corrupt
+    stale_index_objects: int = 0  # indexed objects whose manifest was gone when a flush checked
     snapshot_loads: int = 0  # index builds that started from a snapshot
     snapshot_rejected: int = 0  # snapshots ignored (checksum, format): rebuilt from manifests
     snapshots_written: int = 0

@@ -169,6 +169,7 @@ class ObjectTier(ObjectWrites, Tier):
         self._cat = Catalog(namespaced=namespace is not None)
         self._index = _IndexView(self)
         self._fresh: list[Manifest] = []  # own publishes while the index builds (replayed on swap)
+        self._suspect_data: set[str] = set()  # data objects with a record found corrupt here (writes.py)
         self._lock = asyncio.Lock()
         self._sem = asyncio.Semaphore(max_concurrency)
         self._refresher: asyncio.Task[None] | None = None
@@ -489,6 +490,7 @@ class ObjectTier(ObjectWrites, Tier):
         self._cat.exclude(key, data, offset)
 
     async def _quarantine(self, key: BlockKey, data: str, offset: int, length: int, reason: str) -> None:
+        self._suspect_data.add(data)  # never reused for an upload, even if the marker cannot be written
         await write_marker(self.backend, new_marker(data, offset, length, key, reason, self.origin))
         self.stats.quarantined += 1
         log.warning("quarantined record %s at %s@%d (%s); dtkv gc resolves it", key.hex(), data, offset, reason)
