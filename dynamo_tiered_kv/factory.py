@@ -20,6 +20,7 @@ from .device_staging import DeviceStagingPool
 from .errors import ConfigError
 from .keys import Namespace
 from .layout import BlockShape
+from .log_setup import ensure_visible
 from .staging import StagingPool
 from .store import TieredStore
 from .tiers.base import Tier
@@ -103,6 +104,7 @@ def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | Non
     among the workers of a host (global rank over DP x PP x TP). Default: the namespace's position
     in its pipeline stage and TP group.
     """
+    ensure_visible()  # the start-up lines below show under an engine that configures only its own logger
     if rank is None:
         rank = namespace.pp_rank * namespace.tp_size + namespace.tp_rank
     tiers: list[Tier] = []
