@@ -30,6 +30,11 @@ def test_short_soak_reports_samples_series_and_no_wrong_bytes(tmp_path: Path,
     assert isinstance(res["all_flat"], bool)
     assert res["removed_by_medium"].get("CPU_PINNED", 0) > 0  # the small host tier evicted
     assert [p.name for p in tmp_path.iterdir()] == ["soak.json"]  # its tier directories are removed
+    # hinted sessions (the default): every turn planned and applied, some hostile, the tables sampled
+    assert res["hinted_turns"] == res["turns"] and res["hostile_turns"] > 0
+    for name in ("hint_scopes", "retained_host", "retention_heap_ssd", "hint_turn_ms_p50", "hint_turn_ms_p99"):
+        assert name in res["series"]
+    assert max(s["retained_host"] for s in res["samples"]) > 0  # kv.retain reached the store
 
 
 def test_flatness_is_the_fitted_drift_after_warm_up() -> None:

@@ -82,9 +82,11 @@ def test_a_prefetch_hint_brings_a_retained_session_back_into_the_host_tier(tmp_p
         w.start_load_kv(sched.build_connector_meta(sched_output({})))
         w.wait_for_save(TieredKVMetadata(saves=[SaveSpec("t1", [1, 2, 3, 4], hashes, 0)]))
         assert w.store.drain(10)
+        owner = sched._reqs["t1"].holder  # (its tenant, scope "s")
         sched.request_finished(turn, [])
         keys = w.keys_of(hashes)
-        assert w.store.demote(keys) == 4  # the session paused: its blocks went down to the SSD
+        assert w.store.demote(keys) == 0  # another holder's demote moves nothing the session holds
+        assert w.store.demote(keys, holder=owner) == 4  # the session paused: its blocks went down to the SSD
         host = w.store.tiers[0]
         assert not any(host.contains(k) for k in keys)
 

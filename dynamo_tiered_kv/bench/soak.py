@@ -5,7 +5,9 @@ waiting on a tool would, often resume an older conversation, and share a few sys
 turn looks its prefix up, restores it (``load``), checks every restored byte against the block's
 expected content, "recomputes" the rest and offloads it. Host, SSD and object capacities are small,
 so every tier evicts all the time; TTLs expire blocks, the object tier re-lists its manifests, and
-``gc_bucket`` runs on the objects (local directory, or S3 with ``--s3-endpoint``).
+``gc_bucket`` runs on the objects (local directory, or S3 with ``--s3-endpoint``). With hints on
+(the default; ``--no-hints``), every turn carries a KV hints envelope, one in ten hostile, applied
+as the engine adapters apply them (``soak_hints``).
 
 Every ``--interval-s`` (60 s) one sample: RSS, open files (/proc/self/fd), threads, each tier's
 used bytes and block count, and the store's bookkeeping sizes (``TieredStore.bookkeeping``). At the
@@ -38,6 +40,7 @@ from ..keys import BlockKey, Namespace, chain_keys, parents_of
 from ..layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from ..store import TieredStore
 from .report import progress, table
+from .soak_hints import HintedTurns, conversation_scope
 
 BS, LAYERS, HEADS, HEAD = 16, 4, 2, 64  # 32 KiB blocks (bfloat16)
 MiB = 1 << 20
@@ -57,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--object-mib", type=int, default=96, help="object tier capacity")
     p.add_argument("--gc-every-s", type=float, default=6.0, help="object GC interval (TTL 4x, grace 1x that)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--hints", action=argparse.BooleanOptionalAction, default=True,
+                   help="every turn carries kv.retain (some prefetch, one in ten hostile); --no-hints: none")
 
 
 def _rss_bytes() -> int:
@@ -105,8 +110,9 @@ class _Session:
     """One engine's worth of KV (its own blocks) running agent turns until ``stop``."""
 
     def __init__(self, sid: int, store: TieredStore, ns: Namespace, totals: _Totals, stop: threading.Event,
-                 seed: int, max_blocks: int = 48) -> None:
+                 seed: int, max_blocks: int = 48, hinted: HintedTurns | None = None) -> None:
         self.store, self.ns, self.totals, self.stop = store, ns, totals, stop
+        self.hinted = hinted
         self.rng = random.Random(seed * 1000 + sid)
         self.max_blocks = max_blocks
         kind = EngineLayoutKind.VLLM_CPU
@@ -146,7 +152,11 @@ class _Session:
         n = len(conv) // BS
         keys = chain_keys(self.ns, conv[:n * BS])
         ids = list(range(n))
-        hit = self.store.lookup(keys).num_blocks
+        if self.hinted is not None:
+            others = [conversation_scope(c, BS) for c in list(self.past)[-4:]]
+            hit, _ = self.hinted.turn(self.sid, self.rng, conv, keys, others)
+        else:
+            hit = self.store.lookup(keys).num_blocks
         loaded: list[int] = []
         wrong = restored_bytes = 0
         tiers: dict[str, int] = {}
@@ -283,7 +293,8 @@ def run(args: argparse.Namespace) -> dict:
     residency = _Residency()
     store.set_residency(residency)
     totals, stop = _Totals(), threading.Event()
-    sessions = [_Session(i, store, ns, totals, stop, args.seed) for i in range(args.sessions)]
+    hinted = HintedTurns(store, BS) if args.hints else None
+    sessions = [_Session(i, store, ns, totals, stop, args.seed, hinted=hinted) for i in range(args.sessions)]
     gc = _Gc(url, args.s3_endpoint, args.gc_every_s, stop)
     threads = [threading.Thread(target=s.run, name=f"soak-{s.sid}", daemon=True) for s in sessions]
     threads.append(threading.Thread(target=gc.run, name="soak-gc", daemon=True))
@@ -300,6 +311,8 @@ def run(args: argparse.Namespace) -> dict:
                 break
             time.sleep(min(interval, left))
             s = _sample(store, t0)
+            if hinted is not None:
+                s.update(hinted.sample())
             s["turns"] = totals.turns
             samples.append(s)
             progress("soak", f"{s['t_s']:.0f}s: rss {s['rss_mib']:.0f} MiB, fds {s['open_files']:.0f}, "
@@ -320,6 +333,8 @@ def run(args: argparse.Namespace) -> dict:
         "blocks_dropped": totals.dropped, "restored_bytes": totals.restored_bytes, "wrong_bytes": totals.wrong_bytes,
         "removed_by_medium": dict(residency.counts), "gc_runs": gc.runs, "gc_deleted_objects": gc.deleted,
         "gc_errors": gc.errors, "session_errors": totals.errors, "samples": samples, "series": series,
+        "hinted_turns": hinted.turns if hinted else 0, "hostile_turns": hinted.hostile if hinted else 0,
+        "sessions_ended": hinted.ended if hinted else 0,
         "all_flat": all(v["flat"] for v in series.values()) if series else False,
     }
 

@@ -41,9 +41,11 @@ def test_stored_chunks_get_the_retention_their_tokens_earn(tmp_path: Path) -> No
         assert [cls.priority(b) for b in bks] == [60, 60, 0, 0]  # only the chunks the range covers
         assert cls.get(bks[0]).expiry == cls.get(bks[1]).expiry is not None
 
-        # the session's last turn: same scope, flagged final by Dynamo
+        # the session's last turn: the same context and scope, flagged final by Dynamo
         final = eng.new_request(ReqContext(req_id="final", kv_hints=_retain(60, 0, 2 * chunk),
                                            kv_transfer_params={"X-Dynamo-Session-Final": True}))
+        for i, k in enumerate(ks):
+            final.set_offload_key_position(k, (i + 1) * chunk)
         with eng.manager.lock:
             eng.tier.on_request_finished(final)  # the manager's call into each tier
         assert [cls.priority(b) for b in bks] == [0, 0, 0, 0]  # the session's end releases its scope

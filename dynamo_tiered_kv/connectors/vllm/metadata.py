@@ -55,15 +55,17 @@ class SaveSpec:
 
 @dataclass
 class RetainSpec:
-    """Give the blocks of ``token_hashes`` retention classes (``TieredStore.retain``); with
-    ``demote``, release them and move them out of the host tier instead; with ``prefetch``, queue
-    their promotion into the fastest tier (``session_retain``)."""
+    """Give the blocks of ``token_hashes`` retention classes (``TieredStore.retain``) held by
+    ``holder``; with ``demote``, release ``holder``'s claims on them and move them out of the host
+    tier instead; with ``prefetch``, queue their promotion into the fastest tier
+    (``session_retain``)."""
 
     token_hashes: list[bytes]
     priorities: list[int] = field(default_factory=list)
     expiries: list[float | None] = field(default_factory=list)
     demote: bool = False
     prefetch: bool = False
+    holder: tuple[str, str | None] = ("", None)  # (tenant digest, kv.retain scope): hints.sessions
 
 
 @dataclass

@@ -43,6 +43,8 @@ from typing import Any
 
 from ...config import TieredKVConfig
 from ...hints import HintStats, RequestHints, read_hints
+from ...hints.limits import MAX_REQUEST_BLOCKS
+from ...hints.sessions import DEFAULT_TENANT, Holder, RetentionCursor, SessionScopes, ends_session, holder
 from ...hints.stats import HintCounts
 from ...keys import ROOT_KEY, Namespace, block_key, scope_salt
 from ..session_flags import session_final
@@ -50,7 +52,7 @@ from .identity import lora_scopes
 from .load_outcomes import LoadOutcomes
 from .metadata import LoadSpec, RetainSpec, SaveSpec, StepEcho, TieredKVMetadata
 from .rendezvous import LookupClient
-from .session_retain import ScopeMemory, note_fetch, plan_spec, releases_all
+from .session_retain import note_fetch, plan_spec, prefetch_specs, retention_cursor
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +83,14 @@ class _Req:
     hints: RequestHints | None = None  # its KV hints (``session_retain``), read once
     final: bool = False  # its session's last request (``X-Dynamo-Session-Final``)
     retain_planned: bool = False
-    prompt: int = 0  # prompt tokens (``num_prompt_tokens``), known once retention is planned
+    retention: RetentionCursor | None = None  # its kv.retain plan, once planned
     retain_upto: int = 0  # blocks [0, retain_upto) have had their kv.retain planned
+
+    @property
+    def holder(self) -> Holder:
+        """Who holds this request's retention: its namespace (tenant salt, cache salt, LoRA) and scope."""
+        tenant = self.ns.hex()[:16] if self.ns is not None else DEFAULT_TENANT
+        return holder(tenant, self.hints.retain if self.hints is not None else None)
 
     def hashes_upto(self, n: int) -> list[bytes]:
         tokens = self.request.all_token_ids
@@ -128,7 +136,7 @@ class SchedulerRole:
         self._hints_sent = HintCounts()  # hint_stats as of the last step that carried its growth
         self._hints_seen = 0  # hint_stats.changes when _send_hint_counts last took counts()
         self._retains: list[RetainSpec] = []  # KV hints for the workers, sent with the next step
-        self._scopes = ScopeMemory(stats=self.hint_stats)  # retained sessions' blocks, for their prefetch hints
+        self._scopes: SessionScopes[bytes] = SessionScopes()  # retained sessions' blocks, per tenant
 
     def _state(self, request: Any) -> _Req:
         st = self._reqs.get(request.request_id)
@@ -177,24 +185,22 @@ class SchedulerRole:
         st.retain_planned = True
         if st.hints is None:
             return
-        self._retains += self._scopes.prefetch_specs(st.hints, self.block_size)
+        self._retains += prefetch_specs(self._scopes, st.holder[0], st.hints, self.block_size, self.hint_stats)
         note_fetch(st.hints, self.hint_stats)
-        if st.hints.retain is None:
+        prompt = int(getattr(request, "num_prompt_tokens", request.num_tokens))
+        st.retention = retention_cursor(st.hints, block_size=self.block_size, prompt_tokens=prompt)
+        if st.retention is None:
             return
-        st.prompt = prompt = int(getattr(request, "num_prompt_tokens", request.num_tokens))
         st.retain_upto = prompt // self.block_size
-        spec = plan_spec(st.hints, st.hashes_upto(st.retain_upto), block_size=self.block_size,
-                         num_prompt_tokens=prompt)
+        spec = plan_spec(st.retention, st.hashes_upto(st.retain_upto), st.holder)
         if spec is not None:
             self._retains.append(spec)
 
     def _plan_saved_retention(self, st: _Req, full: int) -> None:
         """kv.retain of blocks saved past those planned: generated tokens (``covers_output``)."""
-        hints = st.hints
-        if hints is None or hints.retain is None or full <= st.retain_upto:
+        if st.retention is None or full <= st.retain_upto:
             return
-        spec = plan_spec(hints, st.hashes_upto(full), block_size=self.block_size, num_prompt_tokens=st.prompt,
-                         num_output_tokens=max(0, st.request.num_tokens - st.prompt), first=st.retain_upto)
+        spec = plan_spec(st.retention, st.hashes_upto(full), st.holder, first=st.retain_upto)
         st.retain_upto = full
         if spec is not None:
             self._retains.append(spec)
@@ -387,11 +393,13 @@ class SchedulerRole:
             self._outcomes.started(st.pending_load.block_ids)
             self._async[request.request_id] = _AsyncLoad(list(st.pending_load.block_ids), st.load_first)
         self._outcomes.forget(request.request_id)
-        if st is not None and st.hashes and (st.final or releases_all(st.hints)):
-            self._retains.append(RetainSpec(list(st.hashes), demote=True))  # the session is over
-            self._scopes.forget(st.hints)
+        if st is not None and st.hashes and ends_session(st.final, st.hints):
+            owner = st.holder  # the session is over: release what it held, earlier turns included
+            done = dict.fromkeys(self._scopes.forget(owner))
+            done.update(dict.fromkeys(st.hashes[:MAX_REQUEST_BLOCKS]))
+            self._retains.append(RetainSpec(list(done), demote=True, holder=owner))
         elif st is not None:
-            self._scopes.remember(st.hints, st.hashes)
+            self._scopes.remember(st.holder, enumerate(st.hashes), replace=True)
         return False, None
 
     def reset_cache(self) -> bool:

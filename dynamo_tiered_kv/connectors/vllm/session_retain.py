@@ -1,67 +1,71 @@
 """KV hints of our vLLM connector: the scheduler plans, every worker applies to its store.
 
 The scheduler role reads a request's hints once (``read_hints``: ``request.kv_hints`` or
-``kv_transfer_params``), turns its ``kv.retain`` directives into a per-block plan over the
-prompt (``hints.plan_retention``, prefix rule included) and sends it with the next step's
-metadata as a ``RetainSpec`` of token hashes; each worker maps the hashes to its store's keys
-and calls ``TieredStore.retain`` (no I/O: the retention tables only). Blocks past the prompt's
-full blocks are planned as the request saves them, with the tokens generated so far: that is
-where ``covers_output`` directives take effect (the block holding the last prompt tokens and
-the first generated ones gets the weaker of the two). When a session's final
-request (``X-Dynamo-Session-Final``) or a request whose retain releases everything finishes, a
-``RetainSpec(demote=True)`` releases its blocks and queues their demotion out of the host tier.
+``kv_transfer_params``) and keeps its retention plan (``hints.sessions.RetentionCursor``: planned
+once over the prompt, again only past a doubling horizon). It sends the plan's blocks with the
+next step's metadata as a ``RetainSpec`` of token hashes under the request's holder (its tenant,
+the namespace digest that its cache salt, LoRA and the tenant salt make, and its ``kv.retain``
+scope); each worker maps the hashes to its store's keys and calls ``TieredStore.retain`` (no
+I/O: the retention tables only). Blocks past the prompt's full blocks are planned as the
+request saves them: that is where ``covers_output`` directives take effect (the block holding
+the last prompt tokens and the first generated ones gets the weaker of the two). When a request
+ending its session finishes (``hints.sessions.ends_session``), a ``RetainSpec(demote=True)``
+releases its holder's claims on its blocks and on its session's earlier blocks, and queues
+their demotion out of the host tier (blocks another holder still protects stay).
 
-Prefetch: the scheduler remembers the blocks of each retained session (its ``kv.retain`` scope,
-the last request's hashes; ``ScopeMemory``, bounded). A later request carrying a
-``dtkv.prefetch`` for that scope sends ``RetainSpec(prefetch=True)`` with the wanted range, and
-each worker queues ``TieredStore.prefetch`` (bounded, low priority, never waits).
+Prefetch: the scheduler remembers the blocks of each retained session per tenant
+(``SessionScopes``: the last request's hashes, bounded). A later request of the same tenant
+carrying a ``dtkv.prefetch`` for that scope sends ``RetainSpec(prefetch=True)`` with the wanted
+whole blocks, and each worker queues ``TieredStore.prefetch`` (bounded, low priority, never
+waits). Every bound is in ``hints.limits``.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ...hints import FETCH_ACTION, PREFETCH_ACTION, BlockRetention, HintStats, RequestHints, plan_retention
+from ...hints import FETCH_ACTION, PREFETCH_ACTION, BlockRetention, HintStats, RequestHints
+from ...hints.sessions import Holder, RetentionCursor, SessionScopes
 from ...store import TieredStore
 from .metadata import RetainSpec
 
 
-def plan_spec(hints: RequestHints | None, hashes: Sequence[bytes], *, block_size: int, num_prompt_tokens: int,
-              num_output_tokens: int = 0, first: int = 0) -> RetainSpec | None:
-    """The retention of blocks ``[first, len(hashes))`` of a request whose first ``len(hashes)``
-    blocks these are, or None if it asks for none. ``num_output_tokens``: generated so far (what
-    ``covers_output`` directives cover); earlier blocks still clamp later ones (prefix rule)."""
+def retention_cursor(hints: RequestHints | None, *, block_size: int, prompt_tokens: int) -> RetentionCursor | None:
+    """The request's retention plan, or None if it asks for none."""
     claim = hints.retain if hints is not None else None
-    if claim is None or len(hashes) <= first:
+    if claim is None:
         return None
-    plan = plan_retention(claim.directives, block_size=block_size, num_prompt_tokens=num_prompt_tokens,
-                          num_output_tokens=num_output_tokens, now=time.time(), num_blocks=len(hashes))
-    pairs = [(i, r) for i, r in plan.assign(list(range(len(hashes)))) if i >= first]
-    if not pairs:
-        return None
-    return RetainSpec([hashes[i] for i, _ in pairs], [r.priority for _, r in pairs], [r.expiry for _, r in pairs])
+    return RetentionCursor(claim, block_size=block_size, prompt_tokens=prompt_tokens, now=time.time())
 
 
-def releases_all(hints: RequestHints | None) -> bool:
-    claim = hints.retain if hints is not None else None
-    return claim is not None and bool(claim.directives) and all(d.priority == 0 for d in claim.directives)
+def plan_spec(cursor: RetentionCursor | None, hashes: Sequence[bytes], owner: Holder, first: int = 0
+              ) -> RetainSpec | None:
+    """The retention of blocks ``[first, len(hashes))`` of the request whose first blocks
+    ``hashes`` are, or None if it gives them none."""
+    if cursor is None or len(hashes) <= first:
+        return None
+    levels = cursor.span(first, len(hashes))
+    if not levels:
+        return None
+    return RetainSpec([hashes[i] for i, _ in levels], [r.priority for _, r in levels],
+                      [r.expiry for _, r in levels], holder=owner)
 
 
 def apply_specs(store: TieredStore, specs: Sequence[RetainSpec],
                 keys_of: Callable[[Sequence[bytes]], list[Any]]) -> None:
-    """A worker's side: retain (or release and demote) the specs' blocks in its store."""
+    """A worker's side: retain (or release and demote, or prefetch) the specs' blocks in its store."""
     for spec in specs:
         keys = keys_of(spec.token_hashes)
         if spec.prefetch:
             store.prefetch(keys)
             continue
         if spec.demote:
-            store.demote(keys, wait=False)
+            store.demote(keys, holder=spec.holder, wait=False)
             continue
-        store.retain(keys, [BlockRetention(p, e) for p, e in zip(spec.priorities, spec.expiries)])
+        store.retain(keys, [BlockRetention(p, e) for p, e in zip(spec.priorities, spec.expiries)],
+                     holder=spec.holder)
 
 
 def note_fetch(hints: RequestHints | None, stats: HintStats) -> None:
@@ -70,41 +74,22 @@ def note_fetch(hints: RequestHints | None, stats: HintStats) -> None:
         stats.applied(FETCH_ACTION, "left_to_peer")
 
 
-class ScopeMemory:
-    """The block hashes of each retained session's last request, least recently used forgotten."""
+def prefetch_specs(scopes: SessionScopes[bytes], tenant: str, hints: RequestHints | None, block_size: int,
+                   stats: HintStats) -> list[RetainSpec]:
+    """``RetainSpec(prefetch=True)`` for each ``dtkv.prefetch`` naming a session of ``tenant``.
 
-    def __init__(self, max_scopes: int = 1024, stats: HintStats | None = None) -> None:
-        self.max_scopes = max_scopes
-        self.stats = stats or HintStats()
-        self._hashes: OrderedDict[str, list[bytes]] = OrderedDict()
-
-    def remember(self, hints: RequestHints | None, hashes: Sequence[bytes]) -> None:
-        scope = hints.retain.scope if hints is not None and hints.retain is not None else None
-        if scope is None or not hashes:
-            return
-        self._hashes.pop(scope, None)
-        self._hashes[scope] = list(hashes)
-        while len(self._hashes) > self.max_scopes:
-            self._hashes.popitem(last=False)
-
-    def forget(self, hints: RequestHints | None) -> None:
-        scope = hints.retain.scope if hints is not None and hints.retain is not None else None
-        if scope is not None:
-            self._hashes.pop(scope, None)
-
-    def prefetch_specs(self, hints: RequestHints | None, block_size: int) -> list[RetainSpec]:
-        """``RetainSpec(prefetch=True)`` for each ``dtkv.prefetch`` naming a remembered session."""
-        out: list[RetainSpec] = []
-        for p in hints.prefetch if hints is not None else ():
-            hashes = self._hashes.get(p.scope)
-            if hashes is None:
-                self.stats.applied(PREFETCH_ACTION, "unknown_scope")
-                continue
-            first = p.start // block_size
-            end = len(hashes) if p.end is None else min(len(hashes), p.end // block_size)
-            if first == 0 and end > 0:  # only a prefix can be restored
-                out.append(RetainSpec(hashes[:end], prefetch=True))
-                self.stats.applied(PREFETCH_ACTION, "queued")
-            else:
-                self.stats.applied(PREFETCH_ACTION, "empty_range")
-        return out
+    Whole blocks from the one holding ``start``; a block ending past ``end`` is left out. Only a
+    range from the first block can be restored by a prefix cache, but the store's prefetch stops
+    at the first block no tier holds, so a later range costs no more than its blocks."""
+    out: list[RetainSpec] = []
+    for p in hints.prefetch if hints is not None else ():
+        hashes = scopes.span((tenant, p.scope), p.start // block_size,
+                             None if p.end is None else p.end // block_size)
+        if hashes is None:
+            stats.applied(PREFETCH_ACTION, "unknown_scope")
+        elif not hashes:
+            stats.applied(PREFETCH_ACTION, "empty_range")
+        else:
+            out.append(RetainSpec(hashes, prefetch=True))
+            stats.applied(PREFETCH_ACTION, "queued")
+    return out
