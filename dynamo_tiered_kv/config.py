@@ -111,6 +111,10 @@ class TieredKVConfig(BaseSettings):
     retain_max_share: float = Field(
         0.5, ge=0, le=1, description="share of each tier kv.retain may protect; beyond it the lowest priority yields"
     )
+    expire_interval_s: float = Field(
+        300.0, ge=0, allow_inf_nan=False, description="seconds between the store's expiry passes: retained blocks "
+        "whose expiry passed leave every tier (at most 1 GiB per pass); 0: off"
+    )
     load_timeout_s: float = Field(30.0, gt=0, description="deadline of one restore; blocks not restored are recomputed")
     load_async: bool = Field(
         True, description="restore in the background while the batch keeps decoding (vLLM WAITING_FOR_REMOTE_KVS)"

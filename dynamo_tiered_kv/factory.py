@@ -180,6 +180,7 @@ def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | Non
         metrics_port=config.metrics_port + rank if config.metrics_port else config.metrics_port,
         device_staging=gpu_direct[1] if gpu_direct else None,
         retain_max_share=config.retain_max_share,
+        expire_interval_s=config.expire_interval_s,
     )
     _observe(store, _ProcessWideMetrics())
     if flusher is not None:

@@ -29,6 +29,9 @@ Shared state of the store itself, and who touches it:
 * ``_tasks``, ``_bg_tasks`` and the read gates (``store_reads``): the loop thread only.
 * ``_ttl`` (``policy.Retention`` per tier): the loop and tiers' writer threads (eviction hooks);
   each has its own lock. ``admission`` (``policy.Admission``): engine and loading threads; its lock.
+* The periodic passes run as tasks on the loop, never on an engine thread: the TTL sweep, and
+  every ``expire_interval_s`` one expiry pass (``expire``: retained blocks whose expiry passed
+  leave every tier, at most ``EXPIRE_PASS_BYTES`` per pass), so nobody has to call ``expire``.
 * ``_residency`` and the tiers' hooks: replaced whole by ``set_residency`` (hooks are immutable).
 * ``_closed``: set once, under ``_close_lock``; read anywhere (a late engine call is dropped).
 * ``_condemned`` (records that failed verification, until their delete is done): marked by the
@@ -76,6 +79,8 @@ from .tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
+#: bytes one periodic expiry pass frees at most; the next pass continues
+EXPIRE_PASS_BYTES = 1 << 30
 
 __all__ = ["Background", "LoadResult", "LoadStages", "LookupResult", "TieredStore"]
 
@@ -130,6 +135,7 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
         device_staging: device slabs for GPU-direct transfers to tiers that have ``device_io``.
         on_residency: told which blocks each tier stores and drops (``residency``; KV events).
         retain_max_share: share of each tier retention classes may protect (``store_retention``).
+        expire_interval_s: seconds between the loop's expiry passes (``expire``); 0 turns them off.
         clock: the clock retention expiries are measured on (injected by tests and benchmarks).
     """
 
@@ -142,9 +148,11 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
                  device_staging: DeviceStagingPool | None = None, exit_timeout_s: float = 10.0,
                  load_first_chunk_bytes: int = 1 << 20, load_depth: int = 4,
                  on_residency: ResidencyListener | None = None, retain_max_share: float = 0.5,
-                 clock: Callable[[], float] = time.time) -> None:
+                 expire_interval_s: float = 300.0, clock: Callable[[], float] = time.time) -> None:
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")
+        if not expire_interval_s >= 0:  # NaN too
+            raise ValueError(f"expire_interval_s must be >= 0 (0: off), got {expire_interval_s}")
         self.tiers = list(tiers)
         self.namespace = namespace
         self.staging = staging
@@ -170,6 +178,8 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
         self._condemned: dict[tuple[int, BlockKey], asyncio.Event] = {}
         self.exit_timeout_s = exit_timeout_s
         self._sweep_interval_s = sweep_interval_s
+        self._expire_interval_s = expire_interval_s
+        self.expire_passes = 0  # periodic passes done (the loop writes it)
         self._close_flush_timeout_s = close_flush_timeout_s
         self.load_chunk_bytes = load_chunk_bytes
         self.load_first_chunk_bytes = load_first_chunk_bytes
@@ -192,6 +202,8 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
             self._bg_tasks.append(asyncio.ensure_future(lifecycle.run_background(b)))
         if any(t.ttl_s is not None for t in self._ttl):
             self._bg_tasks.append(asyncio.ensure_future(self._sweep_forever()))
+        if self._expire_interval_s > 0:
+            self._bg_tasks.append(asyncio.create_task(self._expire_forever(), name="dtkv-expire"))
 
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -470,6 +482,21 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
             n += len(gone)
             self._tell(ti, gone, stored=False)
         return n
+
+    async def _expire_forever(self) -> None:
+        """Every ``expire_interval_s``, one expiry pass on the loop (``expire``), bounded by
+        ``EXPIRE_PASS_BYTES``. A failed pass is logged and the next one runs as planned: a
+        block whose retention passed must not stay forever because one pass hit a tier fault."""
+        while True:
+            await asyncio.sleep(self._expire_interval_s)
+            try:
+                rep = await self._expire(None, EXPIRE_PASS_BYTES)
+            except Exception as e:
+                log.warning("expiry pass failed (the next runs in %.0fs): %s", self._expire_interval_s, e)
+                continue
+            self.expire_passes += 1
+            if any(rep.blocks.values()):
+                log.debug("expiry pass: %s blocks, %s bytes", rep.blocks, rep.bytes)
 
     def sweep_now(self, now: float | None = None) -> int:
         """Synchronous ``sweep`` for tests and tools."""

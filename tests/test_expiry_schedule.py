@@ -1,0 +1,117 @@
+"""The store runs its expiry pass itself, every ``expire_interval_s``, on its own loop: a retained
+block whose expiry passed leaves every tier although nobody calls ``expire()``."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from dynamo_tiered_kv.config import TieredKVConfig
+from dynamo_tiered_kv.factory import build_store
+from dynamo_tiered_kv.hints import BlockRetention
+from dynamo_tiered_kv.keys import parents_of
+from dynamo_tiered_kv.staging import StagingPool
+from dynamo_tiered_kv.store import TieredStore
+from dynamo_tiered_kv.tiers.host import HostTier
+from dynamo_tiered_kv.tiers.objectstore import LocalDirBackend, ObjectTier
+from dynamo_tiered_kv.tiers.ssd import SSDTier
+from tests.test_store import NS, REC, keys_for, make_layout
+
+pytestmark = pytest.mark.usefixtures("no_dtkv_env")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = time.time()
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def pool() -> Iterator[StagingPool]:
+    p = StagingPool(8 * REC, 4, pin=False)
+    yield p
+    p.close()
+
+
+def _offload(store: TieredStore, keys: list[bytes]) -> None:
+    layout = make_layout(len(keys) + 1, seed=5)
+    assert store.submit_offload(layout, list(range(1, len(keys) + 1)), keys, parents_of(keys))
+    assert store.drain(20)
+
+
+def _until(cond: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """Poll ``cond`` (the pass runs on the store's loop); generous bound for a loaded 2-core box."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_retained_block_expires_in_every_tier_without_a_call_to_expire(pool: StagingPool, tmp_path: Path) -> None:
+    clock = Clock()
+    tiers = [HostTier(64 * REC, chunk_bytes=REC, pin=False),
+             SSDTier(tmp_path / "ssd", capacity_bytes=4 << 20, segment_bytes=64 << 10, idle_seal_s=None),
+             ObjectTier(LocalDirBackend(tmp_path / "obj"), capacity_bytes=1 << 30, ttl_s=86400.0)]
+    loop_threads: set[str] = set()
+    with TieredStore(tiers, NS, pool, write_depth=3, clock=clock, expire_interval_s=0.1) as store:
+        real = store._expire
+
+        async def watched(now, max_bytes):  # type: ignore[no-untyped-def]
+            loop_threads.add(threading.current_thread().name)
+            return await real(now, max_bytes)
+
+        store._expire = watched  # type: ignore[method-assign]
+        keys, other = keys_for(6), keys_for(4, start=999 * 16)
+        store.retain(keys, BlockRetention(50, clock.t + 7200))
+        _offload(store, keys)
+        _offload(store, other)
+        passes = store.expire_passes
+        assert _until(lambda: store.expire_passes >= passes + 2)  # passes ran: nothing had expired
+        assert all(t.contains(k) for t in store.tiers for k in keys)
+        clock.t += 7201  # two simulated hours later; nobody calls expire()
+        assert _until(lambda: not any(t.contains(k) for t in store.tiers for k in keys)), \
+            [(t.name, sum(t.contains(k) for k in keys)) for t in store.tiers]
+        for t in store.tiers:
+            assert all(t.contains(k) for k in other), t.name  # never retained: untouched
+    assert loop_threads == {"dtkv-store"}  # the store's loop, never an engine thread
+
+
+def test_interval_zero_turns_the_pass_off_and_a_negative_one_is_refused(pool: StagingPool) -> None:
+    clock = Clock()
+    host = HostTier(16 * REC, chunk_bytes=REC, pin=False)
+    with TieredStore([host], NS, pool, clock=clock, expire_interval_s=0) as store:
+        assert "dtkv-expire" not in {t.get_name() for t in store._bg_tasks}
+        keys = keys_for(2)
+        store.retain(keys, BlockRetention(50, clock.t + 60))
+        _offload(store, keys)
+        clock.t += 61
+        assert all(host.contains(k) for k in keys)  # left for an explicit pass
+        assert store.expire().blocks == {"host": 2}
+        assert store.expire_passes == 0
+    with pytest.raises(ValueError, match="expire_interval_s"):
+        TieredStore([HostTier(16 * REC, chunk_bytes=REC, pin=False)], NS, pool, expire_interval_s=-1)
+
+
+def test_the_setting_reaches_the_store_built_from_config(tmp_path: Path) -> None:
+    assert TieredKVConfig().expire_interval_s == 300.0
+    cfg = TieredKVConfig.from_mapping({"host_capacity_bytes": 1 << 20, "staging_slab_bytes": 1 << 20,
+                                       "staging_slabs": 2, "expire_interval_s": 0.1})
+    store = build_store(cfg, NS)
+    try:
+        keys = keys_for(3)
+        store.retain(keys, BlockRetention(50, time.time() + 1.0))  # the real clock: one second
+        _offload(store, keys)
+        host = store.tiers[0]
+        assert all(host.contains(k) for k in keys)
+        assert _until(lambda: not any(host.contains(k) for k in keys))
+        assert store.expire_passes >= 1
+    finally:
+        store.close()
