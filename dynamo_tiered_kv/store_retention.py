@@ -1,15 +1,20 @@
 """``TieredStore``'s retention API: retain, prefetch, demote, expire (a mixin, ``RetentionOps``).
 
-* ``retain(keys, retention)``: give blocks a retention class in every tier (``retention.py``);
-  a block may be retained before it is written (a request's hints arrive before its KV). The
-  store's own TTL sweep spares protected blocks, so a hint's duration (up to 30 days) outlives
-  a tier's default TTL.
+* ``retain(keys, retention, holder=...)``: the holder claims a retention class for blocks in
+  every tier (``retention.py``: others can only raise a block's class, a holder lowers or
+  releases only its own claim); a block may be retained before it is written (a request's
+  hints arrive before its KV). The store's own TTL sweep spares protected blocks, so a hint's
+  duration (up to 30 days) outlives a tier's default TTL.
 * ``prefetch(keys)``: bring the leading present blocks up into the host tier ahead of the
   request. A bounded low-priority queue on the loop: a full queue drops the request (counted);
   a job takes a staging slab only when one is free now and otherwise waits, so restores a
-  request is waiting on always go first; it never makes room by evicting protected blocks.
-* ``demote(keys)``: a session is done for now: its host blocks go down to the next written tier
-  (written there first if missing) and leave the host tier; their protection is released.
+  request is waiting on always go first; it never makes room by evicting protected blocks (it
+  counts every retained block's bytes as taken, present in the target tier or not, except the
+  blocks it brings: a bound that costs one lookup per block of the job, not per retained block).
+* ``demote(keys, holder=...)``: a session is done for now: the holder's claims are released,
+  and its host blocks that no holder protects any more go down to the next written tier
+  (written there first if missing) and leave the host tier; a block another holder still
+  protects stays where it is.
 * ``expire(now)``: one GC pass: blocks whose retention expired leave every tier, byte-bounded
   (the object tier also drops objects past their TTL, ``tiers/objectstore/expiry.py``). A tier
   gets each batch as one ``delete_many``; the SSD tier then frees the records' disk bytes and,
@@ -30,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .keys import BlockKey
-from .retention import RetentionClasses
+from .retention import ANONYMOUS, Holder, RetentionClasses
 from .tiers.base import ReadRequest, Tier
 
 if TYPE_CHECKING:
@@ -93,9 +98,11 @@ class RetentionOps:
         return self.tiers[ti].retention  # type: ignore[attr-defined,no-any-return]
 
     # --- retain ---------------------------------------------------------------------------------
-    def retain(self, keys: Sequence[BlockKey], retention: BlockRetention | Sequence[BlockRetention]) -> int:
-        """Give ``keys`` a retention class in every tier (one for all, or one per key; priority 0
-        releases). Returns how many keys are protected afterwards in the fastest tier."""
+    def retain(self, keys: Sequence[BlockKey], retention: BlockRetention | Sequence[BlockRetention], *,
+               holder: Holder = ANONYMOUS) -> int:
+        """``holder`` claims a retention class for ``keys`` in every tier (one for all, or one per
+        key; priority 0 releases this holder's claim only). Returns how many keys are protected
+        afterwards in the fastest tier (by any holder)."""
         per_key = retention if isinstance(retention, Sequence) else [retention] * len(keys)
         if len(per_key) != len(keys):
             raise ValueError("one retention per key, or one for all")
@@ -103,7 +110,7 @@ class RetentionOps:
         for key, r in zip(keys, per_key):
             size = next((n for t in self.tiers if (n := t.size_of(key)) is not None), self._record_nbytes)
             for ti in range(len(self.tiers)):
-                ok = self.retention_of(ti).set(key, r.priority, r.expiry, size)
+                ok = self.retention_of(ti).set(key, r.priority, r.expiry, size, holder)
                 kept += ok and ti == 0
         return kept
 
@@ -150,8 +157,6 @@ class RetentionOps:
         target = self.tiers[into]
         cls = self.retention_of(into)
         cap = target.usage().capacity_bytes
-        # room that needs no protected block to go: capacity less the protected blocks held
-        room = cap - sum(n for k, _ in cls.items() if cls.protected(k) and (n := target.size_of(k)) is not None)
         todo: list[tuple[BlockKey, int, int]] = []  # (key, source tier, size)
         for key in keys:
             src = next((ti for ti, t in enumerate(self.tiers) if t.contains(key)), None)
@@ -163,6 +168,10 @@ class RetentionOps:
             if size is None:
                 break
             todo.append((key, src, size))
+        # room that needs no protected block to go: capacity less every retained block's bytes
+        # (an upper bound on those the target holds; the table keeps the sum, so this costs one
+        # lookup per block here, not one per retained block), except the blocks brought now
+        room = cap - cls.protected_bytes + sum(r.nbytes for key, _, _ in todo if (r := cls.get(key)) is not None)
         done = 0
         used = 0
         while todo:
@@ -214,11 +223,12 @@ class RetentionOps:
             await asyncio.sleep(0.005)
 
     # --- demote ---------------------------------------------------------------------------------
-    def demote(self, keys: Sequence[BlockKey], *, wait: bool = True) -> int:
-        """Release ``keys``' protection and move their host blocks to the next tier. Returns how
+    def demote(self, keys: Sequence[BlockKey], *, holder: Holder = ANONYMOUS, wait: bool = True) -> int:
+        """Release ``holder``'s claims on ``keys`` in every tier and move the host blocks no holder
+        protects any more to the next tier (a block another holder protects stays). Returns how
         many left the host tier (``wait=False``: queued on the loop, returns 0 at once)."""
         for ti in range(len(self.tiers)):
-            self.retention_of(ti).release(keys)
+            self.retention_of(ti).release(keys, holder)
         if len(self.tiers) < 2 or self.tiers[0].capabilities.medium != "host":
             return 0
         if not wait:
@@ -237,7 +247,8 @@ class RetentionOps:
         if slab is None:
             return 0
         try:
-            todo = [k for k in keys if host.contains(k)]
+            held = self.retention_of(0)  # read now: a claim made since the release keeps its block here
+            todo = [k for k in keys if host.contains(k) and not held.protected(k)]
             i = 0
             while i < len(todo):
                 batch, pos = [], 0
