@@ -4,6 +4,15 @@ Retention classes (``retention``) rank segments before recency: a segment holdin
 block ranks at its highest protected priority, one holding an expired retained block (and no
 protected one) goes before every other, the rest are ordinary (rank 0).
 
+A victim pick must not cost one lookup per retained block: it runs under the tier lock, which
+the scheduler's lookups wait on. ``RetainedSegments`` keeps, per segment, the retained keys it
+holds and its rank, up to date incrementally: the retention table lists the keys whose claims
+changed (``RetentionClasses.take_changes``), the write path reports each run's arrivals (a
+retained key written again moves with its newest copy), a segment's live-key count in the index
+tells when keys left it (deleted, superseded, dropped as corrupt), and each rank carries the time
+it holds until (a claim lapsing can change it). A pick then costs one check per segment holding
+retained keys plus work for what changed since the previous pick.
+
 ``EvictionMixin`` is mixed into ``SSDTier`` only and uses its segment table, index, lock and I/O
 path; it is split out to keep ``tier.py`` short. It runs on the writer thread, the only one that
 adds or removes segments (docs/SSD.md section 8).
@@ -11,7 +20,10 @@ adds or removes segments (docs/SSD.md section 8).
 
 from __future__ import annotations
 
+import math
 import threading
+from collections.abc import Container, Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ...errors import TierFull
@@ -24,6 +36,115 @@ from .segment import flushed_marker, read_footer_at
 if TYPE_CHECKING:
     from ...residency import TierHook
     from ...retention import RetentionClasses
+
+
+@dataclass(eq=False)
+class _SegmentRetention:
+    keys: set[bytes] = field(default_factory=set)  # retained keys the segment held when last checked
+    rank: int = 0
+    until: float = -math.inf  # the rank holds before this clock time (-inf: recompute)
+    live: int = -1  # the segment's live-key count when last checked
+
+
+class RetainedSegments:
+    """Segment seq -> the retained keys it holds and its retention rank (module docstring).
+
+    Not thread-safe: the tier calls it under its lock only.
+    """
+
+    def __init__(self) -> None:
+        self._segs: dict[int, _SegmentRetention] = {}
+        self._seq_of: dict[bytes, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._seq_of)
+
+    def rebuild(self, cls: RetentionClasses, index: CompactIndex) -> None:
+        """Start over from every retained key (one lookup each): the first pick, or a lost log."""
+        self._segs.clear()
+        self._seq_of.clear()
+        self.changed(cls.retained_keys(), cls, index)
+
+    def changed(self, keys: list[bytes], cls: RetentionClasses, index: CompactIndex) -> None:
+        """Claims on ``keys`` changed: track each where the index places it, if still retained."""
+        for key in keys:
+            loc = index.get(key) if key in cls else None
+            if loc is None:
+                self._untrack(key)
+            else:
+                self._track(key, loc[0])
+
+    def arrived(self, seq: int, keys: Iterable[bytes], cls: RetentionClasses) -> None:
+        """``keys`` were just written into segment ``seq`` (the newest copy of each)."""
+        seg = self._segs.get(seq)
+        if seg is not None:  # its count of live keys may net out a departure: look again
+            seg.until = -math.inf
+        for key in keys:
+            if key in cls:
+                self._track(key, seq)
+            elif key in self._seq_of:
+                self._untrack(key)
+
+    def dropped(self, seq: int) -> None:
+        """Segment ``seq`` left the tier."""
+        seg = self._segs.pop(seq, None)
+        if seg is not None:
+            for key in seg.keys:
+                if self._seq_of.get(key) == seq:
+                    del self._seq_of[key]
+
+    def ranks(self, cls: RetentionClasses, index: CompactIndex, live_seqs: Container[int],
+              now: float) -> dict[int, int]:
+        """Seq -> rank of every segment holding a retained key (absent: rank 0)."""
+        for seq in [s for s in self._segs if s not in live_seqs]:  # the tier dropped its state
+            self.dropped(seq)
+        todo = list(self._segs)
+        while todo:  # a recompute may find a key moved to a segment not looked at yet
+            seq = todo.pop()
+            seg = self._segs.get(seq)
+            if seg is not None and (now >= seg.until or index.live_in(seq) != seg.live):
+                todo.extend(self._recompute(seq, seg, cls, index, now))
+        return {seq: seg.rank for seq, seg in self._segs.items() if seg.rank}
+
+    def _track(self, key: bytes, seq: int) -> None:
+        old = self._seq_of.get(key)
+        if old is not None and old != seq:
+            self._untrack(key)
+        self._seq_of[key] = seq
+        seg = self._segs.setdefault(seq, _SegmentRetention())
+        seg.keys.add(key)
+        seg.until = -math.inf
+
+    def _untrack(self, key: bytes) -> None:
+        seq = self._seq_of.pop(key, None)
+        if seq is None:
+            return
+        seg = self._segs[seq]
+        seg.keys.discard(key)
+        seg.until = -math.inf
+
+    def _recompute(self, seq: int, seg: _SegmentRetention, cls: RetentionClasses, index: CompactIndex,
+                   now: float) -> list[int]:
+        """One lookup and one class per retained key of this segment; returns the segments keys
+        were found to have moved to."""
+        rank, until = -1, math.inf
+        moved: list[int] = []
+        for key in list(seg.keys):
+            loc = index.get(key)
+            if loc is None or loc[0] != seq:  # deleted or superseded since
+                seg.keys.discard(key)
+                del self._seq_of[key]
+                if loc is not None and key in cls:
+                    self._track(key, loc[0])
+                    moved.append(loc[0])
+                continue
+            p, t = cls.standing(key, now)  # 0 only if released meanwhile: its change comes next pick
+            rank, until = max(rank, p), min(until, t)
+        if not seg.keys:
+            del self._segs[seq]
+            return moved
+        seg.rank, seg.until, seg.live = rank, until, index.live_in(seq)
+        return moved
 
 
 class EvictionMixin:
@@ -41,6 +162,8 @@ class EvictionMixin:
     residency_hook: TierHook | None = None
     #: set by the store: per-block (priority, expiry) that ranks segments; None: plain LRU
     retention: RetentionClasses | None = None
+    #: per-segment retention ranks, built on the first victim pick that has a retention table
+    _retained_segments: RetainedSegments | None = None
 
     def _close_fd(self, fd: int) -> None:
         raise NotImplementedError  # SSDTier's
@@ -80,18 +203,25 @@ class EvictionMixin:
                 self.residency_hook.evicted(gone)
 
     def _segment_ranks_locked(self) -> dict[int, int]:
-        """Segment seq -> its retention rank (absent: 0). Costs one lookup per retained block."""
+        """Segment seq -> its retention rank (absent: 0). Costs one check per segment holding a
+        retained key plus the changes since the previous pick (module docstring)."""
         cls = self.retention
-        if cls is None or not len(cls):
+        if cls is None:
             return {}
-        now = cls.clock()
-        ranks: dict[int, int] = {}
-        for key, _ in cls.items():
-            loc = self._index.get(key)
-            if loc is not None:
-                p = cls.priority(key, now)
-                ranks[loc[0]] = max(ranks.get(loc[0], -1), p)
-        return ranks
+        rs = self._retained_segments
+        changes = cls.take_changes()
+        if rs is None or changes is None:
+            rs = self._retained_segments = RetainedSegments()
+            rs.rebuild(cls, self._index)
+        else:
+            rs.changed(changes, cls, self._index)
+        return rs.ranks(cls, self._index, self._segments, cls.clock())
+
+    def _retained_arrived_locked(self, seq: int, keys: Iterable[bytes]) -> None:
+        """The write path: ``keys`` now live in segment ``seq`` (called under the tier lock)."""
+        rs, cls = self._retained_segments, self.retention
+        if rs is not None and cls is not None:
+            rs.arrived(seq, keys, cls)
 
     def _evict_locked(self, seg: SegmentState, keys: list[bytes] | None) -> list[bytes]:
         """Forget ``seg`` (its index entries, its bytes); its fd closes when the last reader leaves.
@@ -104,6 +234,8 @@ class EvictionMixin:
         gone = [key for key in keys if self._index.pop(key, only_seq=seg.seq) is not None]
         if self.retention is not None:
             self.retention.forget(gone)
+        if self._retained_segments is not None:
+            self._retained_segments.dropped(seg.seq)
         del self._segments[seg.seq]
         seg.dead = True
         self._used -= seg.size

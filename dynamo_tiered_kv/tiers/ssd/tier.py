@@ -465,6 +465,7 @@ class SSDTier(SegmentSourceMixin, ReadPathMixin, ReclaimMixin, EvictionMixin, Se
                     freed.append(old)
                 seg.entries.append((k, off, v.nbytes))
                 off += v.nbytes
+            self._retained_arrived_locked(seg.seq, (k for k, _ in run))  # per-segment retention ranks
             seg.data_bytes = off
             seg.size += need
             self._used += need
