@@ -1,5 +1,7 @@
 """The store runs its expiry pass itself, every ``expire_interval_s``, on its own loop: a retained
-block whose expiry passed leaves every tier although nobody calls ``expire()``."""
+block whose expiry passed leaves every tier although nobody calls ``expire()``. A node's pass
+deletes a shared manifest only when the manifest's own record lets it go: other nodes may
+hold it for a retention the passing node does not know."""
 
 from __future__ import annotations
 
@@ -14,10 +16,13 @@ from dynamo_tiered_kv.config import TieredKVConfig
 from dynamo_tiered_kv.factory import build_store
 from dynamo_tiered_kv.hints import BlockRetention
 from dynamo_tiered_kv.keys import parents_of
+from dynamo_tiered_kv.retention import RetentionClasses
 from dynamo_tiered_kv.staging import StagingPool
 from dynamo_tiered_kv.store import TieredStore
+from dynamo_tiered_kv.testing import make_record, random_key
 from dynamo_tiered_kv.tiers.host import HostTier
 from dynamo_tiered_kv.tiers.objectstore import LocalDirBackend, ObjectTier
+from dynamo_tiered_kv.tiers.objectstore.expiry import expire_pass
 from dynamo_tiered_kv.tiers.ssd import SSDTier
 from tests.test_store import NS, REC, keys_for, make_layout
 
@@ -115,3 +120,65 @@ def test_the_setting_reaches_the_store_built_from_config(tmp_path: Path) -> None
         assert store.expire_passes >= 1
     finally:
         store.close()
+
+
+# --- shared manifests: a node's pass deletes only what the bucket's own record lets go ---------
+class _At:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def _object_node(root: Path, clock: _At, ttl_s: float = 86400.0) -> ObjectTier:
+    tier = ObjectTier(LocalDirBackend(root), ttl_s=ttl_s, refresh_interval_s=None)
+    tier.retention = RetentionClasses(1 << 40, clock=clock, tier="object")
+    await tier.open()
+    assert await tier.wait_ready(30)
+    return tier
+
+
+@pytest.mark.parametrize("why", ["own_retention_expired", "past_ttl_released_here"])
+async def test_a_nodes_pass_keeps_a_manifest_whose_record_still_retains_its_blocks(tmp_path: Path, why: str) -> None:
+    t0 = time.time()
+    keys = [random_key(i, b"shared") for i in range(2)]
+    recs = [make_record(k, i) for i, k in enumerate(keys)]
+    long_until = t0 + 5 * 86400
+    # Node X retains the blocks for five days and publishes them: the manifest records it.
+    x = await _object_node(tmp_path, _At(t0))
+    for k, r in zip(keys, recs):
+        x.retention.set(k, 70, long_until, len(r))
+    await x.write_many(zip(keys, map(memoryview, recs)))
+    await x.close()
+    (manifest,) = (tmp_path / "manifests").iterdir()
+
+    # Node Y knows a retention of its own: a one-minute hint (its local class wins over the
+    # manifest's), or it released the blocks; its pass runs past that, or past its short TTL.
+    y_clock = _At(t0)
+    y = ObjectTier(LocalDirBackend(tmp_path), ttl_s=86400.0 if why == "own_retention_expired" else 10.0,
+                   refresh_interval_s=None)
+    y.retention = RetentionClasses(1 << 40, clock=y_clock, tier="object")
+    for k, r in zip(keys, recs):
+        y.retention.set(k, 40, t0 + 60, len(r))
+    await y.open()
+    assert await y.wait_ready(30) and all(y.contains(k) for k in keys)
+    if why == "past_ttl_released_here":
+        y.retention.release(keys)
+    y_clock.t = t0 + 120
+    rep = await expire_pass(y)
+    await y.close()  # waits for the pass's deletes
+    assert rep.blocks + rep.manifests >= 1  # the pass did drop them on node Y
+    assert manifest.exists()  # the bucket's record says five days: node Y's pass left it
+
+    # A fresh node finds the blocks and their retention; once the record's retention is over, the
+    # same rule lets the manifest go.
+    z_clock = _At(t0 + 120)
+    z = await _object_node(tmp_path, z_clock)
+    assert all(z.contains(k) for k in keys)
+    assert [z.retention.priority(k) for k in keys] == [70, 70]
+    z_clock.t = long_until + 1
+    rep = await expire_pass(z)
+    assert rep.blocks == 2 and rep.manifests == 1
+    await z.close()
+    assert not manifest.exists()

@@ -8,9 +8,11 @@
 * Capacity eviction drops objects in rank order (``object_ranks``): objects holding only
   expired or ordinary blocks before those holding protected ones, oldest first among equals.
 * ``expire_pass`` is the in-process GC: it stops serving blocks whose retention expired and
-  objects past their TTL, byte-bounded per pass, and deletes the manifests left with no live
-  block. The data objects then follow ``gc``'s orphan rule (tombstone, grace period), so
-  readers holding an old index still read whole records; the pass itself needs no CronJob.
+  objects past their TTL, byte-bounded per pass. A manifest left with no live block is deleted
+  only if its own record says no node needs it (``gc.delete_if_over``): other nodes may hold
+  it for a retention this node does not know. The data objects then follow ``gc``'s orphan
+  rule (tombstone, grace period), so readers holding an old index still read whole records;
+  the pass itself needs no CronJob.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 from ...retention import ANONYMOUS
 from .backend import ObjectBackend
 from .catalog import Catalog
+from .gc import delete_if_over
 from .index import ObjectTable
 from .manifest import MAX_RETAIN_S
 
@@ -97,7 +100,7 @@ def retained_classes(cls: RetentionClasses | None) -> dict[bytes, tuple[int, flo
 class ExpireReport:
     blocks: int = 0  # blocks no longer served (retention expired, or in an expired object)
     bytes: int = 0
-    manifests: int = 0  # manifests deleted (their objects have no live block left)
+    manifests: int = 0  # manifests given up: no live block left (deleted if their record says so)
 
 
 async def expire_pass(tier: ExpiringTier, *, now: float | None = None, max_bytes: int = 1 << 30) -> ExpireReport:
@@ -126,8 +129,8 @@ async def expire_pass(tier: ExpiringTier, *, now: float | None = None, max_bytes
         empty = [i for i in touched if v["live"][i] <= 0 and not v["flags"][i] & ObjectTable.GONE]
         names = [cat.manifest_name(i) for i in empty]
         cat.forget(empty)
-    for n in names:
-        tier._spawn(tier.backend.delete(n))  # the data follows gc's orphan rule
+    for n in names:  # the data follows gc's orphan rule
+        tier._spawn(delete_if_over(tier.backend, n, ttl_s=tier.ttl_s, now=now))
     rep.manifests += len(names)
     return rep
 
@@ -159,6 +162,6 @@ def _expire_objects(tier: ExpiringTier, cat: Catalog, now: float, budget: int, r
         cls.forget([k for k in cls.retained_keys() if (loc := cat.index.get(k)) is not None and int(loc[0]) in gone])
     cat.forget(doomed)
     for n in names:
-        tier._spawn(tier.backend.delete(n))
+        tier._spawn(delete_if_over(tier.backend, n, ttl_s=tier.ttl_s, now=now))
     rep.manifests += len(names)
     return freed

@@ -19,6 +19,11 @@ Rules (docs/OBJECTS.md):
    then deleted; their data then follows rule 2.
 6. Quarantine markers (``quarantine.py``) are resolved first: a record that verifies again is
    cleared, one that fails twice more is dropped from the manifests listing it.
+
+A node's own expiry pass (``expiry.py``) deletes a shared manifest only through
+``delete_if_over``: when the manifest's own record says no node needs it any more (rule 1, or
+every entry retained in it with every retention over), never because of what one node alone
+holds in memory.
 """
 
 from __future__ import annotations
@@ -58,6 +63,40 @@ class GcReport:
 
     def to_dict(self) -> dict[str, int | bool]:
         return asdict(self)
+
+
+def manifest_over(m: Manifest, ttl_s: float | None, now: float) -> bool:
+    """Whether ``m``'s own record says no node needs it at ``now``: it is past its TTL as extended
+    by its retained entries (rule 1), or it was kept for retained entries only (every entry has
+    a ``retain`` class) and every one of those retentions is over. A retention one node keeps in
+    memory only (a ``kv.retain`` no manifest records) does not count: other nodes cannot see it."""
+    end = m.keep_until(ttl_s)
+    if end is not None and end < now:
+        return True
+    retained = {i for i, _, _ in m.retain}
+    return (bool(m.entries) and retained == set(range(len(m.entries)))
+            and all(x is not None and x <= now for _, _, x in m.retain))
+
+
+async def delete_if_over(backend: ObjectBackend, name: str, *, ttl_s: float | None, now: float) -> bool:
+    """Delete manifest ``name`` if ``manifest_over`` holds for what the bucket stores under it (one
+    GET first). A manifest that vanished or cannot be read is left to ``gc_objects``. Returns
+    whether it was deleted.
+
+    Raises:
+        TierUnavailable: the store failed (the manifest stays; a later pass or gc decides again).
+    """
+    raw = await backend.get_bytes(name)
+    if raw is None:
+        return False
+    try:
+        m = Manifest.from_bytes(raw)
+    except ManifestError:
+        return False
+    if not manifest_over(m, ttl_s, now):
+        log.debug("keeping manifest %s: its record still retains blocks", name)
+        return False
+    return await backend.delete(name)
 
 
 async def gc_objects(backend: ObjectBackend, *, ttl_s: float | None, grace_s: float = DEFAULT_GRACE_S,
