@@ -17,7 +17,9 @@
   ``shared_deadline`` (``retry.py``) also give each attempt only its share of the budget.
 * Payloads are signed with a plain Content-Length and checksums are only sent when an operation
   requires them (``request_checksum_calculation="when_required"``): Ceph RGW answers the
-  aws-chunked uploads newer SDKs send by default with HTTP 411.
+  aws-chunked uploads newer SDKs send by default with HTTP 411. So over plain HTTP nothing lets
+  the server refuse a body damaged in transit: it is stored. Reads catch it (every record
+  carries checksums), and the publish path never reuses a copy reported corrupt (``writes.py``).
 * Faults are retried with jittered backoff and feed a circuit breaker (``retry.py``); botocore's
   own retries are off so that one policy governs every call.
 """
