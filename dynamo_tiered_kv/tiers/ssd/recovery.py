@@ -36,10 +36,9 @@ from .segment import (
     build_footer,
     flushed_marker,
     list_segments,
-    pack_tombstone,
-    parse_tombstones,
     read_footer,
 )
+from .tombstones import kept_entries, remove_stale_tmp, write_log
 
 log = logging.getLogger(__name__)
 _MAX_HEADER = 1 << 20
@@ -199,7 +198,9 @@ def _recover_one(path: Path, seq: int, rank: int, *, newest: bool) -> RecoveredS
 
 
 def load_tombstones(rank_dir: Path, live_seqs: set[int]) -> set[tuple[int, int]]:
-    """Dead (seq, offset) locations; compacts the log to the segments that still exist."""
+    """Dead (seq, offset) locations; compacts the log to the segments that still exist (each
+    location once) and removes a temp log a crash left behind (``tombstones.py``)."""
+    remove_stale_tmp(rank_dir)
     path = rank_dir / TOMBSTONE_FILE
     try:
         raw = read_regular(path)
@@ -208,19 +209,10 @@ def load_tombstones(rank_dir: Path, live_seqs: set[int]) -> set[tuple[int, int]]
     except OSError as e:  # deleted or superseded copies may come back: still valid records of their keys
         quarantine(path, f"cannot read the tombstone log: {e}")
         return set()
-    kept = [(s, o, k) for s, o, k in parse_tombstones(raw) if s in live_seqs]
+    kept = kept_entries(raw, live_seqs.__contains__)
     if len(kept) * TOMBSTONE.size != len(raw):
-        tmp = path.with_suffix(".tmp")
         try:
-            with open(tmp, "wb") as f:
-                f.write(b"".join(pack_tombstone(s, o, k) for s, o, k in kept))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            fsync_dir(rank_dir)
+            os.close(write_log(rank_dir, kept))
         except OSError as e:  # compaction is an optimisation; the old log stays valid
             log.warning("SSD recovery: cannot compact %s: %s", path, e)
-            tmp.unlink(missing_ok=True)
     return {(s, o) for s, o, _ in kept}
-
-

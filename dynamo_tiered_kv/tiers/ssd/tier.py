@@ -6,8 +6,9 @@ only then does the index expose the keys. ``read_many`` looks keys up in memory,
 and reads every run of adjacent records of one segment with one request, straight into the
 caller's buffers when they are page aligned (staging slabs are), through a bounce buffer
 otherwise. A full or idle segment is sealed with a footer; eviction drops whole sealed segments,
-least recently used first; deletes free their records' bytes (``reclaim.py``). Format, crash
-contract and concurrency rule: docs/SSD.md.
+least recently used first; deletes free their records' bytes (``reclaim.py``), and the tombstone
+log sheds the entries of segments that are gone (``tombstones.py``). Format, crash contract and
+concurrency rule: docs/SSD.md.
 
 Threads: all mutations (append, seal, delete, evict) run on one writer thread, so appends are
 ordered; reads run in the default executor concurrently with it. ``self._lock`` guards the index
@@ -42,20 +43,18 @@ from .gds import DeviceIO, DeviceSpan
 from .gds_probe import GdsVerdict, gds_verdict
 from .index import CompactIndex
 from .io import PosixIO, aligned_buffer, as_u8, select_io, write_extent
-from .quarantine import highest_quarantined_seq, open_regular, quarantine
+from .quarantine import highest_quarantined_seq, quarantine
 from .reads import BOUNCE_BYTES, ReadPathMixin
 from .reclaim import ReclaimMixin
 from .recovery import fsync_dir, load_tombstones, recover_segments
 from .sealing import SealingMixin
 from .segment import (
     LOCK_FILE,
-    TOMBSTONE_FILE,
-    append_tombstones,
     footer_bytes,
     list_segments,
-    pack_tombstone,
     segment_name,
 )
+from .tombstones import TombstoneLogMixin
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +62,8 @@ DEFAULT_SEGMENT_BYTES = 256 << 20
 _DEGRADING_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM, errno.EFBIG}
 
 
-class SSDTier(SegmentSourceMixin, ReadPathMixin, ReclaimMixin, EvictionMixin, SealingMixin, Tier):
+class SSDTier(SegmentSourceMixin, ReadPathMixin, ReclaimMixin, TombstoneLogMixin, EvictionMixin, SealingMixin,
+              Tier):
     """Segment-log SSD tier. Constructor keyword arguments are its config schema.
 
     Args:
@@ -138,12 +138,12 @@ class SSDTier(SegmentSourceMixin, ReadPathMixin, ReclaimMixin, EvictionMixin, Se
         self._last_write = time.monotonic()
         self._io: PosixIO | None = None
         self._lock_fd: int | None = None
-        self._tomb_fd: int | None = None
         self._write_bounce: np.ndarray | None = None
         self._read_bounces: list[np.ndarray] = []
         self._superseded_at_recovery: list[tuple[int, int, bytes]] = []
         self._seal_pending = False  # a seal of the open segment failed: retried by the next write or idle seal
         self._init_reclaim()
+        self._init_tombstone_log()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"dtkv-ssd{rank}")
         self._stop = threading.Event()
         self._idle_thread: threading.Thread | None = None
@@ -205,13 +205,6 @@ class SSDTier(SegmentSourceMixin, ReadPathMixin, ReclaimMixin, EvictionMixin, Se
             self._disable(f"cannot use {self.rank_dir}: {e}")
             self._drop_state()  # a half-recovered index must not serve anything
 
-    def _open_tombstones(self) -> None:
-        path = self.rank_dir / TOMBSTONE_FILE
-        try:
-            self._tomb_fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        except OSError as e:  # serve and write anyway; deletes then last until the next restart only
-            log.error("SSD tier: cannot open %s (%s): deletes and overwrites are not recorded durably", path, e)
-
     def _drop_state(self) -> None:
         """Forget every segment. A read still in flight keeps its fd: ``_release`` closes it."""
         with self._lock:
@@ -233,6 +226,7 @@ class SSDTier(SegmentSourceMixin, ReadPathMixin, ReclaimMixin, EvictionMixin, Se
         self._next_seq = max(seen[-1][0] if seen else 0, highest_quarantined_seq(self.rank_dir)) + 1
         recovered = recover_segments(self.rank_dir, self.rank)
         dead = load_tombstones(self.rank_dir, {r.seq for r in recovered})
+        self._note_live_tombstones(dead)
         superseded: list[tuple[int, int, bytes]] = []
         for r in recovered:
             try:
@@ -556,20 +550,3 @@ class SSDTier(SegmentSourceMixin, ReadPathMixin, ReclaimMixin, EvictionMixin, Se
             self._note_dead(loc for loc, _ in locs)
         self._reclaim_sync()  # also what an earlier batch had to defer
         return len(locs)
-
-    def _append_tombstones(self, locs: list[tuple[int, int, bytes]]) -> bool:
-        """Append tombstones for ``locs``; whether they were written (synced when ``fsync``).
-        Runs on the writer thread only (``append_tombstones`` trims the log: one appender)."""
-        if self._tomb_fd is None:
-            return False
-        try:
-            append_tombstones(self._tomb_fd, b"".join(pack_tombstone(s, o, k) for s, o, k in locs))
-            if self._fsync:
-                os.fdatasync(self._tomb_fd)
-            else:
-                self._tomb_dirty = True
-        except OSError as e:  # the key is gone from memory; after a restart it may come back (still valid)
-            log.error("SSD tier: cannot record %d tombstones: %s", len(locs), e)
-            return False
-        return True
-
