@@ -114,7 +114,9 @@ def test_gpu_workflow_runs_every_gpu_check_on_a_gpu_runner() -> None:
     assert "bash scripts/gpu-check" in text  # the gpu-marked tests run there, skips fail the run
     assert re.search(r"pytest .*-m gpu", (ROOT / "scripts/gpu-check").read_text().replace("\\\n", " "))
     assert "tests/e2e/test_vllm_cuda_e2e.py" in text and (ROOT / "tests/e2e/test_vllm_cuda_e2e.py").exists()
-    bench = re.search(r"dtkv bench gpudirect .*--json > (\S+)", text)
-    assert bench, "the gpudirect bench must write JSON"
+    # scripts/gpu-check runs the gpudirect bench and writes its JSON into $OUT, which is uploaded
+    check = (ROOT / "scripts/gpu-check").read_text().replace("\\\n", " ")
+    assert re.search(r"cli bench gpudirect .*--json \"\$OUT/bench-gpudirect\.json\"", check), "no bench JSON"
+    (step,) = [s for s in job["steps"] if "bash scripts/gpu-check" in s.get("run", "")]
     upload = next(s for s in job["steps"] if s.get("uses", "").startswith("actions/upload-artifact"))
-    assert Path(bench.group(1)).parent.name in upload["with"]["path"]
+    assert f"{step['env']['OUT']}/" in upload["with"]["path"]
