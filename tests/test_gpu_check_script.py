@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu-check"
@@ -124,6 +125,10 @@ def test_a_skipped_gpu_test_fails(tmp_path: Path, rig: dict[str, str]) -> None:
     assert "gpu-check: FAIL: tests" in out.stdout
 
 
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="runs the real GPU checks, which pass on this machine")
+
+
+@cpu_only
 def test_every_gpu_test_skipping_on_a_cpu_machine_fails(tmp_path: Path, rig: dict[str, str]) -> None:
     """The real tests on this CPU machine: each skips, and the check says which and why."""
     out = gpu_check(tmp_path, rig, FAKE_TESTS="real")
@@ -181,6 +186,7 @@ def test_a_bench_that_cannot_import_fails(tmp_path: Path, rig: dict[str, str]) -
     assert "gpu-check: FAIL: bench" in out.stdout
 
 
+@cpu_only
 def test_missing_prerequisites_are_named_up_front(tmp_path: Path, rig: dict[str, str]) -> None:
     """The real check on this CPU machine: torch has no CUDA; nothing else runs."""
     out = gpu_check(tmp_path, rig, FAKE_PREREQS="real")
