@@ -108,9 +108,32 @@ def test_local_checkpoint_fingerprint_follows_weights_not_paths(tmp_path: Path) 
     assert weights_fingerprint("org/not-a-local-path") == ""
 
 
-def test_a_revision_pins_identity_without_reading_files(tmp_path: Path) -> None:
+def test_a_local_checkpoint_is_fingerprinted_even_with_a_revision(tmp_path: Path) -> None:
+    """vLLM reads a local directory as it is, whatever revision is named: only the files pin it."""
     a = _checkpoint(tmp_path / "a", b"w" * 100)
-    assert model_identity(_mc(str(a), revision="v1")) == f"{a}@v1"
+    before = model_identity(_mc(str(a), revision="v1"))
+    assert before == f"{a}@v1|weights={weights_fingerprint(str(a))}"
+    (a / "model.safetensors").write_bytes(b"v" * 100)  # rewritten in place, same revision named
+    assert model_identity(_mc(str(a), revision="v1")) != before
+
+
+def test_override_replaces_only_the_name_never_the_revision_or_weights(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))  # no snapshot: no commit to fall back on
+    assert model_identity(_mc("org/m", revision="v1"), override="m") == "m@v1"
+    assert model_identity(_mc("org/m", revision="v2"), override="m") != model_identity(
+        _mc("org/m", revision="v1"), override="m")
+    c1, c2 = "1" * 40, "2" * 40  # commits named as revisions
+    assert model_identity(_mc("org/m", revision=c1), override="m") != model_identity(
+        _mc("org/m", revision=c2), override="m")
+    # the same checkpoint at two paths shares under one override, with or without a revision
+    blob = os.urandom(1 << 16)
+    a, b = _checkpoint(tmp_path / "a", blob), _checkpoint(tmp_path / "b", blob)
+    for revision in (None, "v1"):
+        assert model_identity(_mc(str(a), revision=revision), override="m") == model_identity(
+            _mc(str(b), revision=revision), override="m")
+    (b / "model.safetensors").write_bytes(os.urandom(1 << 16))  # other weights under the same override
+    assert model_identity(_mc(str(a), revision="v1"), override="m") != model_identity(
+        _mc(str(b), revision="v1"), override="m")
 
 
 # --- LoRA adapters: name, path and the weights at the path ---------------------------------------

@@ -5,9 +5,10 @@ change whenever the weights or the way they are applied change: a new revision (
 hub name resolved to), the remote code revision, another quantization or quantization config,
 ``hf_overrides`` (e.g. a different number of layers), rope settings, a model class override, a
 disabled sliding window, the compute dtype behind a quantized KV cache and the layers it skips,
-and, for a model loaded from a local path without a revision, the weight files themselves (a
-fine-tuned checkpoint written over the same directory). Layout, KV dtype, TP/PP shape and the
-tenant live in the ``Namespace``; a request's LoRA adapter is a request scope (``lora_scopes``).
+and, for a model loaded from a local path, the weight files themselves (a fine-tuned checkpoint
+written over the same directory), whether or not a revision is named. Layout, KV dtype, TP/PP
+shape and the tenant live in the ``Namespace``; a request's LoRA adapter is a request scope
+(``lora_scopes``).
 ``identity_fields.VLLM_FIELDS`` says, for every field of the engine's configs, which of these
 places it reaches or why it cannot change KV.
 
@@ -57,22 +58,26 @@ def model_identity(model_config: Any, *, override: str = "", kv_cache_dtype: str
                    kv_skip_layers: Any = ()) -> str:
     """``name[@revision]`` plus ``|key=value`` for each KV-relevant property that is set.
 
-    ``override`` (the ``model_id`` setting) replaces the name and revision, e.g. to share KV
-    between nodes that mount one checkpoint under different paths; the other properties and the
-    weights fingerprint (or hub commit) are still appended, so an override can never make
-    different weights or settings share KV.
+    ``override`` (the ``model_id`` setting) replaces only the name, i.e. the path or hub id the
+    weights are read from, e.g. to share KV between nodes that mount one checkpoint under
+    different paths. Everything that says which weights those are and how they are applied is
+    kept whatever the override: the revision, the other properties, the weights fingerprint of a
+    local checkpoint or the commit of a hub one. So an override can never make different weights
+    or settings share KV; it can only make the same weights at different places share it.
+
+    A local checkpoint is always fingerprinted, with or without a revision: vLLM reads a local
+    directory as it is (a revision names nothing there), so only its files pin its KV.
     """
     model = str(model_config.model)
     revision = getattr(model_config, "revision", None)
-    base = override or (f"{model}@{revision}" if revision else model)
-    parts = [base]
-    for name, value in _properties(model_config, kv_cache_dtype, kv_skip_layers):
-        parts.append(f"{name}={value}")
+    name = override or model
+    parts = [f"{name}@{revision}" if revision else name]
+    for key, value in _properties(model_config, kv_cache_dtype, kv_skip_layers):
+        parts.append(f"{key}={value}")
     if Path(model).exists():
-        if not revision:
-            fp = weights_fingerprint(model)
-            if fp:
-                parts.append(f"weights={fp}")
+        fp = weights_fingerprint(model)
+        if fp:
+            parts.append(f"weights={fp}")
     else:
         commit = hub_commit(model, revision, getattr(model_config, "hf_config", None))
         if commit and commit != revision:

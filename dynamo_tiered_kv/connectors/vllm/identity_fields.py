@@ -28,7 +28,8 @@ _DP = "ignored: data parallel ranks are replicas with the same KV; their placeme
 _EP = "ignored: MoE expert placement or communication; every placement computes the same KV"
 
 _MODEL_CONFIG: dict[str, str] = {
-    "model": "identity: model_id name (or the model_id override), hub commit or local weights fingerprint",
+    "model": "identity: model_id name (or the model_id override, which replaces only the name), hub commit or "
+             "local weights fingerprint",
     "model_weights": "ignored: original URI of weights copied to the local path in `model`, which is fingerprinted",
     "runner": "identity: model_id runner= when not auto",
     "convert": "identity: model_id convert= when not auto",
@@ -46,7 +47,7 @@ _MODEL_CONFIG: dict[str, str] = {
     "hf_config_path": "identity: model_id hf_config_path= when set",
     "allowed_local_media_path": _MM,
     "allowed_media_domains": _MM,
-    "revision": "identity: model_id @revision",
+    "revision": "identity: model_id @revision (kept under a model_id override)",
     "code_revision": "identity: model_id code_revision= when set",
     "tokenizer_revision": _TOKENIZER,
     "max_model_len": "ignored: caps sequence length; a prefix's KV does not depend on it (rope is hf_text_config)",
@@ -130,6 +131,7 @@ _CACHE_CONFIG: dict[str, str] = {
     "kv_cache_memory_bytes": _RUNTIME,
     "kv_offloading_size": _RUNTIME,
     "kv_offloading_backend": _RUNTIME,
+    "simple_cpu_offload_num_blocks": _RUNTIME,
     "_block_size_resolved": _DERIVED,
 }
 
