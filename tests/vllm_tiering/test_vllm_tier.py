@@ -297,33 +297,6 @@ def test_a_chunk_on_its_way_to_the_ssd_is_retry_then_hit(tmp_path: Path) -> None
         eng.stop()
 
 
-def test_the_namespace_follows_the_engine_model_identity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Built inside vLLM's current config (as the scheduler builds its connector), the tier names
-    the model by our model identity: another revision of the same model never sees the chunks."""
-    from types import SimpleNamespace
-
-    import vllm.config.vllm as vllm_config_module
-
-    def engine_at(revision: str) -> Engine:
-        model = SimpleNamespace(model="org/model", revision=revision, quantization=None, hf_overrides=None,
-                                hf_config=None, dtype="bfloat16")
-        monkeypatch.setattr(vllm_config_module, "_current_vllm_config",
-                            SimpleNamespace(model_config=model, cache_config=SimpleNamespace(cache_dtype="auto")))
-        return Engine.start(ssd(tmp_path))
-
-    ks = keys(2)
-    first = engine_at("r1")
-    assert first.tier.namespace.model_id == "org/model@r1"
-    first.store(ks)
-    first.stop()
-    for revision, expect in (("r2", [MISS, MISS]), ("r1", [HIT, HIT])):
-        eng = engine_at(revision)
-        try:
-            assert eng.lookup(ks) == expect
-        finally:
-            eng.stop()
-
-
 def test_a_failing_ssd_degrades_to_recompute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every SSD write fails: store jobs still finish, lookups end as MISS once nothing is queued
     (never an endless RETRY), and the keys staged meanwhile stay bounded."""

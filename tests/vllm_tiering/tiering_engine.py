@@ -34,6 +34,7 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from dynamo_tiered_kv.connectors.vllm_tiering import DynamoTieredKVTier
+from dynamo_tiered_kv.connectors.vllm_tiering.key_mapping import declared_model
 
 TIER = {"type": "DynamoTieredKVTier", "module_path": "dynamo_tiered_kv.connectors.vllm_tiering"}
 ROW_BYTES = 8192  # one chunk: 2 workers x 4 KiB (page-aligned, as vLLM lays rows out)
@@ -76,8 +77,10 @@ class Engine:
 
     @classmethod
     def start(cls, tier: dict[str, Any], **kw: Any) -> Engine:
-        spec = TieringOffloadingSpec(offloading_config(tier, **kw))
-        manager = spec.get_manager()
+        config = offloading_config(tier, **kw)
+        spec = TieringOffloadingSpec(config)
+        with declared_model(config.engine_id, config.model.name, config.model.name):  # no engine: the name is the model
+            manager = spec.get_manager()
         assert isinstance(manager, TieringOffloadingManager)
         (ours,) = manager.secondary_tiers
         assert isinstance(ours, DynamoTieredKVTier)

@@ -76,6 +76,8 @@ def build(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
     )
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+    from ...connectors.vllm_tiering.key_mapping import declared_model
+
     row = spec["row_bytes"]
     extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": spec["primary_chunks"] * row,
              "secondary_tiers": [tier_entry(spec)], "tier_poll_interval_s": 0}
@@ -90,7 +92,8 @@ def build(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
                                           data_parallel_rank_local=None, is_parallelism_agnostic=False),
     )
     tspec = TieringOffloadingSpec(config)
-    manager = tspec.get_manager()
+    with declared_model(config.engine_id, config.model.name, config.model.name):  # no engine: the name is the model
+        manager = tspec.get_manager()
     (tier,) = manager.secondary_tiers
     return tspec, manager, tier
 

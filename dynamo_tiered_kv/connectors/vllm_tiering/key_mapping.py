@@ -11,40 +11,114 @@ groups and their layers, the parallel shape unless vLLM certified the bytes topo
 layout and canonical-format choice) and the tenant salt, so two engines share records exactly
 when their rows are interchangeable. Records written by our own KV connector are never found
 here, nor the reverse (docs/FORMAT.md, "vLLM secondary tier keys").
+
+The model identity needs the engine's model and cache configs (revision, quantization,
+overrides, the local weights: ``identity.engine_identity``). vLLM 0.33 hands a secondary tier
+only its ``OffloadingConfig``, which names the model by path or hub id alone, so the engine's
+configs reach the tier through this module: ``TieredOffloadingConnector`` (``connector``)
+publishes its ``VllmConfig`` under its ``engine_id`` while vLLM builds its tiers
+(``published_engine``), and the tier looks it up by the ``engine_id`` of its spec. A tier whose
+engine published nothing cannot know which weights its chunks come from: it keeps them to itself
+(a namespace unique to that tier, ``engine_model_id``) rather than share them by name.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import secrets
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
+from ...errors import ConfigError
 from ...keys import ROOT_KEY, BlockKey, Namespace, engine_block_key
-from ..vllm.identity import model_identity
+from ..vllm.identity import engine_identity
 
 log = logging.getLogger(__name__)
 
 LAYOUT_PREFIX = "vllm-tiering/1:"
+#: ``model_id`` field of a tier that does not know its engine's weights (followed by a random token)
+UNSHARED_MARK = "unshared="
 
 
-def engine_model_id(config: Any, override: str = "") -> str:
-    """Model identity of the engine whose offloading ``config`` (vLLM ``OffloadingConfig``) this is.
+@dataclass(frozen=True)
+class _Published:
+    """What one engine told the tiers built for it: its model's name and how to identify it."""
 
-    The scheduler builds its connector inside vLLM's current config, which names the revision,
-    quantization, overrides and local weights (``identity.model_identity``); without it (a bench,
-    a test) only the model name and ``override`` are known.
-    """
+    model: str  # vLLM's ``model_config.model``, as the engine's ``OffloadingConfig`` names it
+    identity: Callable[[str], str]  # the tier's ``model_id`` setting ("" for none) -> model identity
+
+
+_published: dict[str, _Published] = {}  # engine_id -> what that engine published
+_published_lock = threading.Lock()  # engines may be built on several threads of one process
+
+
+@contextmanager
+def _publishing(engine_id: str, entry: _Published) -> Iterator[None]:
+    with _published_lock:
+        if engine_id in _published:
+            raise ConfigError(f"vLLM engine_id {engine_id!r} is building its offloading tiers twice at once in this "
+                              "process; every engine needs its own engine_id")
+        _published[engine_id] = entry
     try:
-        from vllm.config import get_current_vllm_config_or_none
+        yield
+    finally:
+        with _published_lock:
+            _published.pop(engine_id, None)
 
-        vllm_config = get_current_vllm_config_or_none()
-    except ImportError:  # pragma: no cover - every vLLM with tiering has it
-        vllm_config = None
-    model_config = getattr(vllm_config, "model_config", None)
-    if model_config is not None and str(model_config.model) == config.model.name:
-        cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
-        return model_identity(model_config, override=override, kv_cache_dtype=cache_dtype)
-    return override or config.model.name
+
+@contextmanager
+def published_engine(vllm_config: Any) -> Iterator[None]:
+    """While inside, a tier built for this engine (its ``kv_transfer_config.engine_id``) takes its
+    model identity from ``vllm_config``'s model and cache configs (``identity.engine_identity``).
+
+    Entered by ``TieredOffloadingConnector`` around vLLM's own connector construction, on the
+    thread that builds the engine; the tier reads it in its constructor, on the same thread.
+    """
+    engine_id = str(vllm_config.kv_transfer_config.engine_id)
+    entry = _Published(str(vllm_config.model_config.model),
+                       lambda override: engine_identity(vllm_config, override=override))
+    with _publishing(engine_id, entry):
+        yield
+
+
+@contextmanager
+def declared_model(engine_id: str, model: str, model_id: str) -> Iterator[None]:
+    """For tools and tests that build vLLM's offloading spec without an engine: while inside, a
+    tier built for ``engine_id`` (whose ``OffloadingConfig`` names ``model``) is identified as
+    ``model_id`` (or by its own ``model_id`` setting), which the caller vouches names the weights."""
+    with _publishing(engine_id, _Published(model, lambda override: override or model_id)):
+        yield
+
+
+def engine_model_id(offloading_spec: Any, override: str = "") -> str:
+    """Model identity of a tier built by vLLM for ``offloading_spec`` (vLLM's ``OffloadingSpec``).
+
+    With the engine's configs published for the spec's ``engine_id``: ``engine_identity`` with the
+    tier's ``model_id`` setting (``override``) as the name. Without (vLLM's stock
+    ``OffloadingConnector``, or a tool that declared nothing): the name, then ``|unshared=``
+    and a random token, and a warning: its records are found by this tier only, never by another
+    process, another engine or a later start, since the same name may be other weights there.
+    """
+    config = offloading_spec.config
+    name = str(config.model.name)
+    with _published_lock:
+        entry = _published.get(str(config.engine_id))
+    if entry is not None:
+        if entry.model != name:
+            raise ConfigError(f"vLLM engine {config.engine_id!r} published model {entry.model!r} but its offloading "
+                              f"config names {name!r}")
+        return entry.identity(override)
+    log.warning(
+        "vLLM secondary tier: the engine did not hand over its model config, so the weights behind %r (revision, "
+        "quantization, overrides, files) are unknown; this tier's chunks are kept to this tier and will NOT be "
+        "found after a restart or by other engines. To share them, use kv_connector \"TieredOffloadingConnector\" "
+        "with kv_connector_module_path \"dynamo_tiered_kv.connectors.vllm_tiering.connector\" in place of "
+        "OffloadingConnector", override or name)
+    return f"{override or name}|{UNSHARED_MARK}{secrets.token_hex(8)}"
 
 
 def namespace_for(config: Any, row_bytes: int, *, model_id: str, tenant_salt: str) -> Namespace:

@@ -90,6 +90,15 @@ class DynamoTieredKVTier(SecondaryTierManager):
     Configured by the keys of its ``secondary_tiers`` entry: any ``TieredKVConfig`` setting
     (``ssd_dir``, ``object_url``, ``s3_endpoint_url``, ``tenant_salt``, capacities, TTLs...) plus
     the ``TierOptions`` (``config``).
+
+    Model identity (``key_mapping.engine_model_id``): built under ``TieredOffloadingConnector``
+    (``connector``), the namespace names the engine's full model identity, with the ``model_id``
+    setting replacing only the model's path or hub id, so chunks are shared across restarts and
+    nodes exactly when the weights and their settings are the same. Under vLLM's stock
+    ``OffloadingConnector`` the engine's configs never reach the tier: it then keeps its chunks
+    to itself (a namespace unique to this instance, with a warning) rather than share them by a
+    name that other weights may carry. ``open_tier`` without a spec (a bench, no engine) names
+    the model by ``model_id`` as given.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE  # cache_hit_source DISK (SSD); S3 only: set per instance
@@ -103,11 +112,11 @@ class DynamoTieredKVTier(SecondaryTierManager):
         self._record_bytes = record_bytes(self.layout.shape)
         spec_config = getattr(offloading_spec, "config", None)
         salt = self.config.tenant_salt.get_secret_value()
-        if spec_config is not None:
-            model_id = engine_model_id(spec_config, self.config.model_id or "")
+        if spec_config is not None:  # the engine's model identity, or a namespace of this tier's own
+            model_id = engine_model_id(offloading_spec, self.config.model_id or "")
             self.namespace = namespace_for(spec_config, self.block_size_bytes, model_id=model_id, tenant_salt=salt)
             rank = spec_config.parallel.data_parallel_index  # one tier per engine: DP replicas differ
-        else:  # driven without vLLM's spec (a bench): the settings name the model
+        else:  # driven without vLLM's spec (a bench; no engine, no weights): model_id names the model as given
             if not self.config.model_id:
                 raise ValueError("model_id must be set when the tier is built without vLLM's offloading spec")
             self.namespace = namespace_for(None, self.block_size_bytes, model_id=self.config.model_id,
