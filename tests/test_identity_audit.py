@@ -2,7 +2,8 @@
 
 A vLLM upgrade that adds a field fails here until the field is classified in
 ``identity_fields.VLLM_FIELDS``; a field classified ``identity`` that does not reach the keys fails
-the second test.
+the second test. The vLLM 0.33 secondary tier has its own audit, run with vLLM 0.33's configs
+(tests/vllm_tiering/test_identity_audit_tiering.py).
 """
 
 from __future__ import annotations
