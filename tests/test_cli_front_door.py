@@ -121,3 +121,8 @@ def test_fsck_of_a_missing_bucket_exits_2(moto_s3: S3Server, no_env: None, monke
     assert dtkv(["fsck", f"s3://{bucket}/x"]) == 2
     err = capsys.readouterr().err
     assert f"cannot reach s3://{bucket}/x" in err and "create the bucket" in err, err
+
+
+def test_file_url_with_a_host_names_the_form_it_needs(no_env: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert dtkv(["fsck", "file://relative/dir"]) == 2
+    assert "file URL must be file:///absolute/path" in capsys.readouterr().err

@@ -8,12 +8,13 @@ from urllib.parse import unquote, urlparse
 
 def missing_local_root(url: str) -> str | None:
     """Why a ``file://`` target cannot be checked (its directory is missing or is not a directory);
-    ``None`` for one that exists and for every other scheme (S3 reports a missing bucket itself).
+    ``None`` for one that exists, for a malformed file URL and for every other scheme (S3 reports a
+    missing bucket itself).
 
     The commands only read and delete what is there: opening the backend would create the
     directory a mistyped URL names, and report it clean."""
     u = urlparse(url)
-    if u.scheme != "file":
+    if u.scheme != "file" or u.netloc not in ("", "localhost"):  # a malformed file URL: backend_from_url says so
         return None
     root = Path(unquote(u.path))
     if not root.exists():
