@@ -35,9 +35,9 @@ from dynamo_tiered_kv.tiers.objectstore import LocalDirBackend, ObjectTier
 from dynamo_tiered_kv.tiers.ssd import SSDTier
 from tests.test_store import REC, block_bytes, keys_for, make_layout, make_store
 
-TIMEOUT_S = 0.5  # the load's timeout
+TIMEOUT_S = 1.0  # the load's timeout (the reads before a stall must fit in it on a busy disk)
 MARGIN_S = 1.5  # wake-ups on a loaded 2-core VM come late; far below the stall
-STALL_CAP_S = 6.0  # an injected stall ends by itself after this long (a wait it did not bound)
+STALL_CAP_S = 8.0  # an injected stall ends by itself after this long (a wait it did not bound)
 SLAB_RECORDS = 8
 
 
