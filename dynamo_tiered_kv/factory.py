@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .codec import record_bytes
+from .blocks.codec import record_bytes
+from .blocks.keys import Namespace
+from .blocks.layout import BlockShape
 from .config import TieredKVConfig
-from .device_staging import DeviceStagingPool
 from .errors import ConfigError
-from .keys import Namespace
-from .layout import BlockShape
 from .log_setup import ensure_visible
-from .staging import StagingPool
+from .staging.device_slabs import DeviceStagingPool
+from .staging.slabs import StagingPool
 from .store import TieredStore
 from .tiers.base import Tier
 
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 class _FlusherTask:
     """Adapts the flusher's start/stop to the store's background-task protocol."""
 
-    def __init__(self, flusher) -> None:  # flusher: dynamo_tiered_kv.flush.Flusher
+    def __init__(self, flusher) -> None:  # flusher: dynamo_tiered_kv.tiers.objectstore.flush.Flusher
         self.flusher = flusher
 
     async def run(self) -> None:
@@ -136,8 +136,8 @@ def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | Non
     background = []
     flusher = None
     if config.object_url:
-        from .flush import Flusher
         from .tiers.objectstore import ObjectTier, backend_from_url
+        from .tiers.objectstore.flush import Flusher
 
         backend = backend_from_url(
             config.object_url,

@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from dynamo_tiered_kv.codec import header_bytes, record_bytes
-from dynamo_tiered_kv.device_copy import queue_save, restore_records
-from dynamo_tiered_kv.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
+from dynamo_tiered_kv.blocks.codec import header_bytes, record_bytes
+from dynamo_tiered_kv.blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
+from dynamo_tiered_kv.staging.device_copy import queue_save, restore_records
 
 
 def _rate(nbytes: int, fn) -> float:

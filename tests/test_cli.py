@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from infra.s3util import S3Server, unique_bucket
 
-from dynamo_tiered_kv import settings_cli
 from dynamo_tiered_kv.cli import build_parser
 from dynamo_tiered_kv.cli import main as dtkv
+from dynamo_tiered_kv.config import settings_cli
 from dynamo_tiered_kv.testing import make_record, random_key, small_shape
 from dynamo_tiered_kv.tiers.objectstore import ObjectTier, S3Backend
 

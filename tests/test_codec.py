@@ -6,7 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamo_tiered_kv import codec
+from dynamo_tiered_kv.blocks import codec
+from dynamo_tiered_kv.blocks.keys import ROOT_KEY, Namespace, chain_keys, parents_of
+from dynamo_tiered_kv.blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from dynamo_tiered_kv.errors import (
     BadMagic,
     ChecksumMismatch,
@@ -18,8 +20,6 @@ from dynamo_tiered_kv.errors import (
     RecordTruncated,
     UnsupportedVersion,
 )
-from dynamo_tiered_kv.keys import ROOT_KEY, Namespace, chain_keys, parents_of
-from dynamo_tiered_kv.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]
 if hasattr(torch, "float8_e4m3fn"):

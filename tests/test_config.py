@@ -3,10 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_tiered_kv import settings_cli
-from dynamo_tiered_kv.config import TieredKVConfig
+from dynamo_tiered_kv.config import TieredKVConfig, settings_cli
+from dynamo_tiered_kv.config.sizes import parse_size
 from dynamo_tiered_kv.errors import ConfigError
-from dynamo_tiered_kv.sizes import parse_size
 
 pytestmark = pytest.mark.usefixtures("no_dtkv_env")
 

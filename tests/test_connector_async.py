@@ -21,7 +21,7 @@ from dynamo_tiered_kv.connectors.vllm.metadata import LoadSpec, SaveSpec, Tiered
 from dynamo_tiered_kv.connectors.vllm.onboard import Onboarder
 from dynamo_tiered_kv.connectors.vllm.scheduler import SchedulerRole
 from dynamo_tiered_kv.connectors.vllm.worker import WorkerRole
-from dynamo_tiered_kv.store import LoadResult
+from dynamo_tiered_kv.store.store import LoadResult
 
 IDS = [10, 11, 12, 13, 14, 15]  # engine blocks of a 22-token request: 3 restorable, 3 computed
 
@@ -171,7 +171,7 @@ class _GatedStore:
 
 
 def _worker(store, **cfg) -> WorkerRole:
-    from dynamo_tiered_kv.keys import Namespace
+    from dynamo_tiered_kv.blocks.keys import Namespace
 
     w = WorkerRole(TieredKVConfig.from_mapping(cfg), model_id="m", kv_dtype="bf16", block_size=BS,
                    num_kv_heads=1, head_size=1, tp_rank=0, tp_size=1, engine_key="x", authkey=b"x")
@@ -306,7 +306,7 @@ def test_connector_get_finished_shape() -> None:
 
 def _registered_worker(cfg: dict, kind: str) -> tuple[WorkerRole, list[torch.Tensor]]:
     """A worker with a real store, registered over random KV caches of layout ``kind`` on the CPU."""
-    from dynamo_tiered_kv.layout import EngineLayoutKind, allocate_engine_kv
+    from dynamo_tiered_kv.blocks.layout import EngineLayoutKind, allocate_engine_kv
 
     w = WorkerRole(TieredKVConfig.from_mapping({"metrics_port": None, **cfg}), model_id="m", kv_dtype="bfloat16",
                    block_size=BS, num_kv_heads=2, head_size=8, tp_rank=0, tp_size=1,
@@ -343,7 +343,7 @@ def test_config_flag_selects_the_mode(load_async: bool) -> None:
 
 @pytest.mark.parametrize("share", [0.2, 0.0])
 def test_cpu_restores_are_paced_by_the_engine_steps(share: float) -> None:
-    from dynamo_tiered_kv.pacing import StepShare
+    from dynamo_tiered_kv.policy.pacing import StepShare
 
     w, _ = _registered_worker({"host_capacity_bytes": 16 << 20, "restore_cpu_share": share}, "VLLM_CPU")
     try:

@@ -41,10 +41,10 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin as Mixin  # noqa: E402
 
+from dynamo_tiered_kv.bench.engine.tiny_model import TEST_SPEC, build_tiny_model  # noqa: E402
+from dynamo_tiered_kv.blocks.layout import EngineLayoutKind, allocate_engine_kv  # noqa: E402
 from dynamo_tiered_kv.connectors.vllm.connector import TieredKVConnector  # noqa: E402
 from dynamo_tiered_kv.connectors.vllm.metadata import SaveSpec, TieredKVMetadata  # noqa: E402
-from dynamo_tiered_kv.connectors.vllm.tiny_model import TEST_SPEC, build_tiny_model  # noqa: E402
-from dynamo_tiered_kv.layout import EngineLayoutKind, allocate_engine_kv  # noqa: E402
 
 BS = 16
 NUM_BLOCKS = 64

@@ -14,13 +14,13 @@ from test_connector_scheduler import BS, FakeLookup, FakeRequest, sched_output
 from vllm import SamplingParams
 from vllm.v1.request import Request
 
+from dynamo_tiered_kv.blocks.layout import EngineLayoutKind, allocate_engine_kv
 from dynamo_tiered_kv.config import TieredKVConfig
 from dynamo_tiered_kv.connectors.vllm.metadata import TieredKVMetadata
 from dynamo_tiered_kv.connectors.vllm.scheduler import SchedulerRole
 from dynamo_tiered_kv.connectors.vllm.worker import WorkerRole
 from dynamo_tiered_kv.hints import RETAIN_ACTION, HintStats
 from dynamo_tiered_kv.hints.stats import HintCounts
-from dynamo_tiered_kv.layout import EngineLayoutKind, allocate_engine_kv
 
 
 def _value(w: WorkerRole, name: str, **labels: str) -> float | None:

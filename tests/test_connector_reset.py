@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import torch
 from test_connector_scheduler import BS, FakeLookup, FakeRequest, sched_output
 
+from dynamo_tiered_kv.blocks.layout import EngineLayoutKind, allocate_engine_kv
 from dynamo_tiered_kv.config import TieredKVConfig
 from dynamo_tiered_kv.connectors.vllm.metadata import SaveSpec, TieredKVMetadata
 from dynamo_tiered_kv.connectors.vllm.scheduler import SchedulerRole
 from dynamo_tiered_kv.connectors.vllm.worker import WorkerRole
-from dynamo_tiered_kv.layout import EngineLayoutKind, allocate_engine_kv
 
 
 def _role(**kw) -> SchedulerRole:

@@ -187,7 +187,7 @@ class _FailingStore:
         self.offloads: list[list[int]] = []
 
     def load(self, layout, ids, keys, timeout=None, pacer=None, decode_threads=None):
-        from dynamo_tiered_kv.store import LoadResult
+        from dynamo_tiered_kv.store.store import LoadResult
 
         ok = [b for b in ids if b not in self.bad]
         return LoadResult(ok, [b for b in ids if b in self.bad], ["ssd"] * len(ok))
@@ -213,8 +213,8 @@ def _load_step_with_failure(r: SchedulerRole, req: FakeRequest, worker):
 
 
 def _worker(store):
+    from dynamo_tiered_kv.blocks.keys import Namespace
     from dynamo_tiered_kv.connectors.vllm.worker import WorkerRole
-    from dynamo_tiered_kv.keys import Namespace
 
     w = WorkerRole(TieredKVConfig.from_mapping({}), model_id="m", kv_dtype="bf16", block_size=BS, num_kv_heads=1,
                    head_size=1, tp_rank=0, tp_size=1, engine_key="x", authkey=b"x")
@@ -271,7 +271,7 @@ def test_request_sharing_a_block_being_loaded_saves_nothing_that_step() -> None:
 
 
 def _kv_caches(num_layers: int, heads: int, head_size: int) -> dict:
-    from dynamo_tiered_kv.layout import EngineLayoutKind, allocate_engine_kv
+    from dynamo_tiered_kv.blocks.layout import EngineLayoutKind, allocate_engine_kv
 
     ts = allocate_engine_kv(EngineLayoutKind.FLASH_ATTN, num_layers=num_layers, num_blocks=4, block_size=BS,
                             num_kv_heads=heads, head_size=head_size)

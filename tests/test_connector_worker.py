@@ -23,7 +23,7 @@ class _SlowStore:
         self.timeouts: list[float] = []
 
     def load(self, layout, ids, keys, timeout=None, pacer=None, decode_threads=None):
-        from dynamo_tiered_kv.store import LoadResult
+        from dynamo_tiered_kv.store.store import LoadResult
 
         self.timeouts.append(timeout)
         if timeout is not None and timeout < self.delay:
@@ -34,8 +34,8 @@ class _SlowStore:
 
 
 def _worker(store, **cfg):
+    from dynamo_tiered_kv.blocks.keys import Namespace
     from dynamo_tiered_kv.connectors.vllm.worker import WorkerRole
-    from dynamo_tiered_kv.keys import Namespace
 
     w = WorkerRole(TieredKVConfig.from_mapping(cfg), model_id="m", kv_dtype="bf16", block_size=BS, num_kv_heads=1,
                    head_size=1, tp_rank=0, tp_size=1, engine_key="x", authkey=b"x")

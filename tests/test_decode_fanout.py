@@ -1,4 +1,4 @@
-"""Verify+scatter fanned out over threads (``decode_fanout``): order, coverage, errors, and the
+"""Verify+scatter fanned out over threads (``store.reads.fanout``): order, coverage, errors, and the
 store's unpaced loads restoring the same bytes through it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-import dynamo_tiered_kv.decode_fanout as fo
+import dynamo_tiered_kv.store.reads.fanout as fo
 from dynamo_tiered_kv.tiers.host import HostTier
 from tests.test_pacing import stored
 from tests.test_store import REC, NamedHost, block_bytes, make_layout
@@ -70,7 +70,7 @@ def test_unpaced_load_restores_the_same_bytes_fanned_out(tier_kind: str, three_w
     def spy(n, rb, decode, ways=None):
         return real(n, rb, lambda a, b: (names.add(threading.current_thread().name), decode(a, b))[1], ways)
 
-    import dynamo_tiered_kv.store_reads as sr
+    import dynamo_tiered_kv.store.reads.pipeline as sr
 
     monkeypatch.setattr(sr, "fan_out", spy)
     tier = HostTier(64 * REC, chunk_bytes=REC, pin=False) if tier_kind == "host" else NamedHost("ssd", 64 * REC)
@@ -106,7 +106,7 @@ def test_decode_threads_bounds_the_ranges_of_an_unpaced_load(threads: int, three
             return decode(a, b)
         return real(n, rb, named, ways)
 
-    import dynamo_tiered_kv.store_reads as sr
+    import dynamo_tiered_kv.store.reads.pipeline as sr
 
     monkeypatch.setattr(sr, "fan_out", spy)
     tier = HostTier(64 * REC, chunk_bytes=REC, pin=False)

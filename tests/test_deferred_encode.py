@@ -11,11 +11,11 @@ import pytest
 import torch
 from test_store import NS, REC, keys_for, make_layout, make_store, pool  # noqa: F401 - pool is a fixture
 
-from dynamo_tiered_kv import store_writes
-from dynamo_tiered_kv.codec import decode_blocks, encode_blocks, record_bytes
-from dynamo_tiered_kv.deferred_encode import begin_encode
-from dynamo_tiered_kv.keys import parents_of
-from dynamo_tiered_kv.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
+from dynamo_tiered_kv.blocks.codec import decode_blocks, encode_blocks, record_bytes
+from dynamo_tiered_kv.blocks.keys import parents_of
+from dynamo_tiered_kv.blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
+from dynamo_tiered_kv.store import writes as store_writes
+from dynamo_tiered_kv.store.deferred_encode import begin_encode
 from dynamo_tiered_kv.tiers.host import HostTier
 
 

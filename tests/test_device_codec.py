@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from dynamo_tiered_kv import codec
-from dynamo_tiered_kv.device_codec import decode_blocks_on_device, encode_blocks_on_device
+from dynamo_tiered_kv.blocks import codec
+from dynamo_tiered_kv.blocks.device_codec import decode_blocks_on_device, encode_blocks_on_device
+from dynamo_tiered_kv.blocks.keys import Namespace, chain_keys, parents_of
+from dynamo_tiered_kv.blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from dynamo_tiered_kv.errors import ChecksumMismatch, HeaderCorrupt, KeyMismatch, NamespaceMismatch
-from dynamo_tiered_kv.keys import Namespace, chain_keys, parents_of
-from dynamo_tiered_kv.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 
 NS = Namespace("m", "bf16", "KV_SPLIT", 16, 3, 2, 64)
 IDS = [7, 0, 3, 8, 5]

@@ -13,11 +13,12 @@ import pytest
 import torch
 from test_device_order import RecordingOps, _Stream
 
-import kernels
-from dynamo_tiered_kv import codec, device_copy
+from dynamo_tiered_kv import kernels
+from dynamo_tiered_kv.blocks import codec
+from dynamo_tiered_kv.blocks.keys import Namespace, chain_keys, parents_of
+from dynamo_tiered_kv.blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from dynamo_tiered_kv.errors import ChecksumMismatch
-from dynamo_tiered_kv.keys import Namespace, chain_keys, parents_of
-from dynamo_tiered_kv.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
+from dynamo_tiered_kv.staging import device_copy
 
 NS = Namespace("m", "bf16", "FLASH_ATTN", 4, 3, 2, 8)
 

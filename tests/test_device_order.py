@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dynamo_tiered_kv.device_copy import queue_save, restore_records
-from dynamo_tiered_kv.device_order import order_restore, order_save
+from dynamo_tiered_kv.staging.device_copy import queue_save, restore_records
+from dynamo_tiered_kv.staging.device_order import order_restore, order_save
 
 
 class _Graph:

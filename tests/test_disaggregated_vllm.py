@@ -47,7 +47,7 @@ def _chart_configs() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dynamo_tiered_kv.connectors.vllm.tiny_model import build_tiny_model
+    from dynamo_tiered_kv.bench.engine.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("disagg") / "model")
 
@@ -69,7 +69,7 @@ def _kv_cache_config(vllm_config: Any) -> Any:
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from dynamo_tiered_kv.connectors.vllm.tiny_model import TEST_SPEC
+    from dynamo_tiered_kv.bench.engine.tiny_model import TEST_SPEC
 
     spec = FullAttentionSpec(block_size=vllm_config.cache_config.block_size, num_kv_heads=TEST_SPEC.num_key_value_heads,
                              head_size=TEST_SPEC.head_dim, dtype=torch.bfloat16)

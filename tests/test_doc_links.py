@@ -10,8 +10,7 @@ from urllib.parse import unquote
 
 import pytest
 
-from dynamo_tiered_kv import settings_cli
-from dynamo_tiered_kv.config import TieredKVConfig
+from dynamo_tiered_kv.config import TieredKVConfig, settings_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -50,7 +49,7 @@ def test_every_setting_has_a_description() -> None:
 
 
 def test_config_doc_table_is_the_generated_one() -> None:
-    """Regenerate with ``python -m dynamo_tiered_kv.settings_cli --write docs/CONFIG.md``."""
+    """Regenerate with ``python -m dynamo_tiered_kv.config.settings_cli --write docs/CONFIG.md``."""
     doc = (ROOT / "docs" / "CONFIG.md").read_text()
     assert settings_cli.with_settings_table(doc) == doc
     table = doc[doc.index(settings_cli.TABLE_BEGIN):doc.index(settings_cli.TABLE_END)]

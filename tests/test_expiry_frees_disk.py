@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dynamo_tiered_kv.hints import BlockRetention
-from dynamo_tiered_kv.staging import StagingPool
+from dynamo_tiered_kv.staging.slabs import StagingPool
 from dynamo_tiered_kv.store import TieredStore
 from dynamo_tiered_kv.tiers.host import HostTier
 from dynamo_tiered_kv.tiers.ssd import SSDTier

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from dynamo_tiered_kv.blocks.keys import parents_of
 from dynamo_tiered_kv.config import TieredKVConfig
 from dynamo_tiered_kv.factory import build_store
 from dynamo_tiered_kv.hints import BlockRetention
-from dynamo_tiered_kv.keys import parents_of
-from dynamo_tiered_kv.retention import RetentionClasses
-from dynamo_tiered_kv.staging import StagingPool
+from dynamo_tiered_kv.policy.retention import RetentionClasses
+from dynamo_tiered_kv.staging.slabs import StagingPool
 from dynamo_tiered_kv.store import TieredStore
 from dynamo_tiered_kv.testing import make_record, random_key
 from dynamo_tiered_kv.tiers.host import HostTier

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from dynamo_tiered_kv.blocks.keys import Namespace, chain_keys, parents_of
+from dynamo_tiered_kv.blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from dynamo_tiered_kv.config import TieredKVConfig
 from dynamo_tiered_kv.factory import build_store
-from dynamo_tiered_kv.keys import Namespace, chain_keys, parents_of
-from dynamo_tiered_kv.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 
 pytestmark = pytest.mark.usefixtures("no_dtkv_env")
 

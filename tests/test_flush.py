@@ -12,9 +12,9 @@ from infra.faultproxy import FaultProxy
 from infra.s3util import S3Server, unique_bucket
 from infra.segments_fake import FakeSegmentSource
 
-from dynamo_tiered_kv.flush import Flusher
 from dynamo_tiered_kv.tiers.base import ReadRequest
 from dynamo_tiered_kv.tiers.objectstore import LocalDirBackend, ObjectTier, RetryPolicy, S3Backend
+from dynamo_tiered_kv.tiers.objectstore.flush import Flusher
 
 pytest_plugins = ["infra.fixtures_s3"]
 

@@ -18,14 +18,14 @@ import pytest
 import torch
 from infra.segments_fake import FakeSegmentSource
 
+from dynamo_tiered_kv.blocks.keys import BlockKey, Namespace, chain_keys, parents_of
+from dynamo_tiered_kv.blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from dynamo_tiered_kv.config import TieredKVConfig
 from dynamo_tiered_kv.factory import build_store
-from dynamo_tiered_kv.flush import Flusher
 from dynamo_tiered_kv.hints import BlockRetention
-from dynamo_tiered_kv.keys import BlockKey, Namespace, chain_keys, parents_of
-from dynamo_tiered_kv.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from dynamo_tiered_kv.store import TieredStore
 from dynamo_tiered_kv.tiers.objectstore import LocalDirBackend, ObjectTier
+from dynamo_tiered_kv.tiers.objectstore.flush import Flusher
 from dynamo_tiered_kv.tiers.objectstore.manifest import Manifest
 
 NS = Namespace("tiny", "bfloat16", "KV_SPLIT", 16, 2, 2, 64)

@@ -15,10 +15,10 @@ import pytest
 from infra.s3util import S3Server, unique_bucket
 from infra.segments_fake import FakeSegmentSource
 
-from dynamo_tiered_kv.flush import Flusher
 from dynamo_tiered_kv.tiers.base import ReadRequest
 from dynamo_tiered_kv.tiers.objectstore import LocalDirBackend, ObjectTier, S3Backend
 from dynamo_tiered_kv.tiers.objectstore.backend import ObjectBackend
+from dynamo_tiered_kv.tiers.objectstore.flush import Flusher
 from dynamo_tiered_kv.tiers.objectstore.gc import gc_bucket
 from dynamo_tiered_kv.tiers.objectstore.manifest import MANIFEST_DIR
 

@@ -7,9 +7,9 @@ import numpy as np
 import torch
 import xxhash
 
-from dynamo_tiered_kv import codec
-from dynamo_tiered_kv.keys import ROOT_KEY, Namespace, block_key
-from dynamo_tiered_kv.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
+from dynamo_tiered_kv.blocks import codec
+from dynamo_tiered_kv.blocks.keys import ROOT_KEY, Namespace, block_key
+from dynamo_tiered_kv.blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 
 
 def spec_align(n: int) -> int:

@@ -27,7 +27,7 @@ import pytest
 import yaml
 from helm_tool import INSTALL_HELM, TOOLS, find_helm
 
-from dynamo_tiered_kv.config import ENV_CONFIG_FILE, ENV_PREFIX, TieredKVConfig
+from dynamo_tiered_kv.config.settings import ENV_CONFIG_FILE, ENV_PREFIX, TieredKVConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "dynamo-tiered-kv"

@@ -20,9 +20,9 @@ import pytest
 import yaml
 from test_helm_chart import CHART, _crd_json_schema, _find_helm, _run
 
+from dynamo_tiered_kv.blocks.keys import Namespace
 from dynamo_tiered_kv.config import TieredKVConfig
 from dynamo_tiered_kv.factory import build_store
-from dynamo_tiered_kv.keys import Namespace
 
 ROOT = Path(__file__).resolve().parent.parent
 RULE_CRD = ROOT / "tests" / "data" / "prometheus-operator" / "monitoring.coreos.com_prometheusrules.v1.yaml"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynamo_tiered_kv import staging
+from dynamo_tiered_kv.blocks.keys import Namespace
 from dynamo_tiered_kv.config import TieredKVConfig
 from dynamo_tiered_kv.factory import build_store
-from dynamo_tiered_kv.keys import Namespace
+from dynamo_tiered_kv.staging import slabs as staging
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the audit reads the installed vLLM's config classes")
 
-from dynamo_tiered_kv.connectors.vllm.identity_fields import VLLM_FIELDS
+from dynamo_tiered_kv.connectors.common.identity_fields import VLLM_FIELDS
 
 
 def _engine_classes() -> dict[str, type]:
@@ -40,7 +40,7 @@ def test_every_engine_config_field_is_classified() -> None:
     unclassified = {name: sorted(_field_names(cls) - VLLM_FIELDS[name].keys())
                     for name, cls in _engine_classes().items()}
     assert unclassified == {name: [] for name in unclassified}, (
-        "classify these fields in dynamo_tiered_kv/connectors/vllm/identity_fields.py: does each change KV bytes?")
+        "classify these fields in dynamo_tiered_kv/connectors/common/identity_fields.py: does each change KV bytes?")
     for table in VLLM_FIELDS.values():
         for field, reason in table.items():
             kind, _, why = reason.partition(": ")
@@ -95,7 +95,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """Real vLLM configs of a tiny local model (built once), and a LoRA adapter directory."""
     from vllm.config import CacheConfig, ModelConfig, ParallelConfig
 
-    from dynamo_tiered_kv.connectors.vllm.tiny_model import build_tiny_model
+    from dynamo_tiered_kv.bench.engine.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("audit")
     model = build_tiny_model(root / "model")

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from dynamo_tiered_kv import codec
-from dynamo_tiered_kv.keys import Namespace, chain_keys, parents_of
-from dynamo_tiered_kv.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
-from kernels import gather_records, scatter_records
+from dynamo_tiered_kv.blocks import codec
+from dynamo_tiered_kv.blocks.keys import Namespace, chain_keys, parents_of
+from dynamo_tiered_kv.blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
+from dynamo_tiered_kv.kernels import gather_records, scatter_records
 
 NS = Namespace("m", "bf16", "KV_SPLIT", 4, 3, 2, 8)
 
@@ -80,7 +80,7 @@ def test_cuda_path_matches_codec(kind: EngineLayoutKind) -> None:
 def test_codec_roundtrip_through_pinned_staging_on_cuda() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from dynamo_tiered_kv.staging import StagingPool
+    from dynamo_tiered_kv.staging.slabs import StagingPool
 
     src = _layout(EngineLayoutKind.FLASH_ATTN, "cuda", seed=1)
     dst = _layout(EngineLayoutKind.FLASH_ATTN, "cuda", seed=2)
@@ -110,7 +110,7 @@ def _interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.importorskip("triton")
     from triton.runtime.interpreter import InterpretedFunction
 
-    from kernels import gather_scatter as gs
+    from dynamo_tiered_kv.kernels import gather_scatter as gs
 
     kernel = gs._move_kernel
     monkeypatch.setattr(gs, "_INTERPRET", True)
@@ -123,7 +123,7 @@ def _interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_triton_kernel_matches_codec_under_the_interpreter(kind: EngineLayoutKind,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     _interpreted(monkeypatch)
-    from kernels import gather_scatter as gs
+    from dynamo_tiered_kv.kernels import gather_scatter as gs
 
     launches = []
     real = gs._triton_move

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dynamo_tiered_kv.keys import (
+from dynamo_tiered_kv.blocks.keys import (
     ROOT_KEY,
     Namespace,
     block_key,
@@ -81,7 +81,7 @@ def test_engine_hash_chain_deterministic_and_distinct() -> None:
 
 def test_keys_identical_across_processes() -> None:
     code = (
-        "from dynamo_tiered_kv.keys import Namespace, chain_keys;"
+        "from dynamo_tiered_kv.blocks.keys import Namespace, chain_keys;"
         "ns=Namespace('meta-llama/Llama-3.1-8B','bfloat16','KV_SPLIT',16,32,8,128);"
         "print(','.join(k.hex() for k in chain_keys(ns, list(range(64)))))"
     )

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from dynamo_tiered_kv import codec
+from dynamo_tiered_kv.blocks import codec
+from dynamo_tiered_kv.blocks.keys import Namespace, chain_keys, parents_of
+from dynamo_tiered_kv.blocks.layout import EngineLayout, EngineLayoutKind
 from dynamo_tiered_kv.errors import LayoutMismatch
-from dynamo_tiered_kv.keys import Namespace, chain_keys, parents_of
-from dynamo_tiered_kv.layout import EngineLayout, EngineLayoutKind
 
 NS = Namespace("m", "bf16", "FLASH_ATTN", 4, 3, 2, 8)
 NB, BS, H, D, L = 10, 4, 2, 8, 3
@@ -65,7 +65,7 @@ def test_hnd_through_the_cuda_movers(monkeypatch: pytest.MonkeyPatch) -> None:
     from test_device_copy import _as_cuda
     from test_device_order import RecordingOps, _Stream
 
-    from dynamo_tiered_kv import device_copy
+    from dynamo_tiered_kv.staging import device_copy
 
     ops = RecordingOps()
     monkeypatch.setattr(device_copy, "cuda_ops", lambda: ops)

@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dynamo_tiered_kv.blocks.keys import Namespace, chain_keys
+from dynamo_tiered_kv.blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from dynamo_tiered_kv.config import TieredKVConfig
 from dynamo_tiered_kv.factory import build_store
-from dynamo_tiered_kv.keys import Namespace, chain_keys
-from dynamo_tiered_kv.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from dynamo_tiered_kv.tiers.ssd.segment import list_segments, read_footer_at
 
 NS = Namespace("tiny", "bfloat16", "VLLM_CPU", 16, 4, 2, 64)
@@ -33,8 +33,8 @@ CHILD = textwrap.dedent("""
     import numpy as np, torch
     from dynamo_tiered_kv.config import TieredKVConfig
     from dynamo_tiered_kv.factory import build_store
-    from dynamo_tiered_kv.keys import Namespace, chain_keys, parents_of
-    from dynamo_tiered_kv.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
+    from dynamo_tiered_kv.blocks.keys import Namespace, chain_keys, parents_of
+    from dynamo_tiered_kv.blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 
     def run(cfg, mode):
         ns = Namespace("tiny", "bfloat16", "VLLM_CPU", 16, 4, 2, 64)
@@ -126,7 +126,7 @@ def test_exit_without_close_keeps_every_accepted_offload(tmp_path: Path, mode: s
 
 
 def test_close_all_closes_open_stores_once(tmp_path: Path) -> None:
-    from dynamo_tiered_kv import lifecycle
+    from dynamo_tiered_kv.store import lifecycle
 
     a = build_store(TieredKVConfig.from_mapping(_config(tmp_path / "a")), NS)
     b = build_store(TieredKVConfig.from_mapping(_config(tmp_path / "b")), NS)

@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 
-import dynamo_tiered_kv.store_direct_reads as sdr
-from dynamo_tiered_kv.keys import parents_of
-from dynamo_tiered_kv.staging import StagingPool
+import dynamo_tiered_kv.store.reads.direct as sdr
+from dynamo_tiered_kv.blocks.keys import parents_of
+from dynamo_tiered_kv.staging.slabs import StagingPool
 from dynamo_tiered_kv.tiers.base import Tier
 from dynamo_tiered_kv.tiers.host import HostTier
 from dynamo_tiered_kv.tiers.objectstore import LocalDirBackend, ObjectTier

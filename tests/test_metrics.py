@@ -11,11 +11,11 @@ import urllib.request
 import numpy as np
 import pytest
 
-from dynamo_tiered_kv.keys import Namespace, chain_keys, parents_of
-from dynamo_tiered_kv.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
-from dynamo_tiered_kv.metrics import StoreMetrics
-from dynamo_tiered_kv.staging import StagingPool
+from dynamo_tiered_kv.blocks.keys import Namespace, chain_keys, parents_of
+from dynamo_tiered_kv.blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
+from dynamo_tiered_kv.staging.slabs import StagingPool
 from dynamo_tiered_kv.store import TieredStore
+from dynamo_tiered_kv.store.metrics import StoreMetrics
 from dynamo_tiered_kv.tiers.host import HostTier
 
 NS = Namespace("tiny", "bfloat16", "VLLM_CPU", 16, 2, 2, 32)
@@ -100,7 +100,7 @@ def test_metrics_port_released_during_the_retry_is_used() -> None:
 
 
 def test_no_bindable_port_serves_without_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dynamo_tiered_kv import metrics
+    from dynamo_tiered_kv.store import metrics
 
     def refuse(port: int, **kw: object) -> None:
         raise OSError(errno.EADDRINUSE, "Address already in use")

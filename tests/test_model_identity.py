@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from dynamo_tiered_kv.blocks.keys import scope_salt
 from dynamo_tiered_kv.config import TieredKVConfig
-from dynamo_tiered_kv.connectors.vllm import identity
-from dynamo_tiered_kv.connectors.vllm.identity import model_identity, weights_fingerprint
+from dynamo_tiered_kv.connectors.common import identity
+from dynamo_tiered_kv.connectors.common.identity import model_identity, weights_fingerprint
 from dynamo_tiered_kv.connectors.vllm.scheduler import SchedulerRole
-from dynamo_tiered_kv.keys import scope_salt
 
 BS = 4
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import dynamo_tiered_kv._native as native_pkg
 from dynamo_tiered_kv._native import fast
-from dynamo_tiered_kv.metrics import StoreMetrics
+from dynamo_tiered_kv.store.metrics import StoreMetrics
 
 LARGE = [1023, 1024, 1025, 4096, 65536 + 7, 1 << 20, (3 << 20) + 5]
 

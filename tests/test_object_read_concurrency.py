@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 from infra.s3util import S3Server, unique_bucket
 
-from dynamo_tiered_kv import settings_cli
-from dynamo_tiered_kv.config import TieredKVConfig
+from dynamo_tiered_kv.blocks.keys import Namespace
+from dynamo_tiered_kv.config import TieredKVConfig, settings_cli
 from dynamo_tiered_kv.errors import ConfigError
 from dynamo_tiered_kv.factory import build_store
-from dynamo_tiered_kv.keys import Namespace
 from dynamo_tiered_kv.tiers.objectstore import S3Backend, backend_from_url
 
 pytest_plugins = ["infra.fixtures_s3"]

@@ -17,10 +17,10 @@ from infra.s3util import S3Server, unique_bucket
 from infra.segments_fake import FakeSegmentSource
 
 from dynamo_tiered_kv.errors import TierUnavailable
-from dynamo_tiered_kv.flush import Flusher
 from dynamo_tiered_kv.testing import make_record, random_key, small_shape
 from dynamo_tiered_kv.tiers.base import ReadRequest
 from dynamo_tiered_kv.tiers.objectstore import ObjectTier, RetryPolicy, S3Backend
+from dynamo_tiered_kv.tiers.objectstore.flush import Flusher
 
 pytest_plugins = ["infra.fixtures_s3"]
 HANG_GUARD_S = 30  # a call still running after this is a hang (the bounds below are ~1-3 s)

@@ -1,6 +1,6 @@
 """The object index is read from engine threads while the tier's loop rewrites it.
 
-``contains``/``size_of``/``len`` run on the lookup thread, in ``store_reads`` on engine and
+``contains``/``size_of``/``len`` run on the lookup thread, in ``store.reads.pipeline`` on engine and
 onboarding threads and in the KV-events callback; refresh, merges, single puts, removals and
 compactions run on the tier's loop meanwhile. A reader must never raise and never miss a key
 that stays indexed the whole time.

@@ -19,12 +19,12 @@ from infra.faultproxy import FaultProxy
 from infra.s3util import S3Server, unique_bucket
 from infra.segments_fake import FakeSegmentSource
 
-from dynamo_tiered_kv.flush import Flusher
-from dynamo_tiered_kv.keys import BlockKey
+from dynamo_tiered_kv.blocks.keys import BlockKey
 from dynamo_tiered_kv.testing import make_record, random_key
 from dynamo_tiered_kv.tiers.base import ReadRequest
 from dynamo_tiered_kv.tiers.objectstore import LocalDirBackend, ObjectTier, S3Backend
 from dynamo_tiered_kv.tiers.objectstore.backend import ObjectBackend
+from dynamo_tiered_kv.tiers.objectstore.flush import Flusher
 from dynamo_tiered_kv.tiers.objectstore.manifest import DATA_DIR
 from dynamo_tiered_kv.tiers.objectstore.quarantine import QUARANTINE_DIR
 

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-import dynamo_tiered_kv.store_reads as sr
-from dynamo_tiered_kv.keys import parents_of
-from dynamo_tiered_kv.pacing import StepShare
-from dynamo_tiered_kv.staging import StagingPool
+import dynamo_tiered_kv.store.reads.pipeline as sr
+from dynamo_tiered_kv.blocks.keys import parents_of
+from dynamo_tiered_kv.policy.pacing import StepShare
+from dynamo_tiered_kv.staging.slabs import StagingPool
 from dynamo_tiered_kv.tiers.host import HostTier
 from tests.test_store import REC, NamedHost, block_bytes, keys_for, make_layout, make_store
 

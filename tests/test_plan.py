@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dynamo_tiered_kv.blocks.codec import record_bytes
 from dynamo_tiered_kv.cli import main
-from dynamo_tiered_kv.codec import record_bytes
 from dynamo_tiered_kv.errors import ConfigError
 from dynamo_tiered_kv.plan import format_text, plan, scenario, to_dict
 from dynamo_tiered_kv.plan.hardware import GIB, TB, dram_tier, gpu, hdd_tier, ssd_tier

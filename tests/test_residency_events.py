@@ -14,6 +14,7 @@ import pytest
 import torch
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
+from dynamo_tiered_kv.blocks.layout import EngineLayoutKind, allocate_engine_kv
 from dynamo_tiered_kv.config import TieredKVConfig
 from dynamo_tiered_kv.connectors.vllm.events import (
     EVENT_MEDIUM,
@@ -30,8 +31,7 @@ from dynamo_tiered_kv.connectors.vllm.events import (
 from dynamo_tiered_kv.connectors.vllm.metadata import SaveSpec, TieredKVMetadata
 from dynamo_tiered_kv.connectors.vllm.scheduler import SchedulerRole
 from dynamo_tiered_kv.connectors.vllm.worker import WorkerRole
-from dynamo_tiered_kv.layout import EngineLayoutKind, allocate_engine_kv
-from dynamo_tiered_kv.residency import DISK, EXTERNAL, HOST, medium_of
+from dynamo_tiered_kv.policy.residency import DISK, EXTERNAL, HOST, medium_of
 from dynamo_tiered_kv.tiers.host import HostTier
 from dynamo_tiered_kv.tiers.objectstore import ObjectTier
 from dynamo_tiered_kv.tiers.ssd import SSDTier

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from dynamo_tiered_kv.retention import YIELDED, RetentionClasses
+from dynamo_tiered_kv.policy.retention import YIELDED, RetentionClasses
 from dynamo_tiered_kv.testing import make_record, random_key, small_shape
 from dynamo_tiered_kv.tiers.host import HostTier
 from dynamo_tiered_kv.tiers.objectstore import LocalDirBackend, ObjectTier

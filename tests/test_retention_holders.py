@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from dynamo_tiered_kv.blocks.keys import parents_of
 from dynamo_tiered_kv.hints import BlockRetention
-from dynamo_tiered_kv.keys import parents_of
-from dynamo_tiered_kv.retention import ANONYMOUS, MAX_HOLDERS_PER_KEY, RetentionClasses
-from dynamo_tiered_kv.staging import StagingPool
+from dynamo_tiered_kv.policy.retention import ANONYMOUS, MAX_HOLDERS_PER_KEY, RetentionClasses
+from dynamo_tiered_kv.staging.slabs import StagingPool
 from dynamo_tiered_kv.store import TieredStore
 from dynamo_tiered_kv.testing import random_key
 from dynamo_tiered_kv.tiers.host import HostTier

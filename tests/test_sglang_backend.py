@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from dynamo_tiered_kv.codec import header_bytes
+from dynamo_tiered_kv.blocks.codec import header_bytes
 
 pytest.importorskip("sglang", reason="sglang 0.5.23 not installed (bash .ci/install-sglang.sh)")
 from dynamo_tiered_kv.connectors.sglang import TieredHiCacheStorage

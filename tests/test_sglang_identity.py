@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 pytest.importorskip("sglang", reason="sglang 0.5.23 not installed (bash .ci/install-sglang.sh)")
+from dynamo_tiered_kv.blocks.layout import EngineLayout
 from dynamo_tiered_kv.connectors.sglang.identity import (
     SERVER_ARGS_FIELDS,
     hub_commit,
@@ -24,7 +25,6 @@ from dynamo_tiered_kv.connectors.sglang.identity import (
     ranks_of,
     server_identity,
 )
-from dynamo_tiered_kv.layout import EngineLayout
 from dynamo_tiered_kv.testing import sglang_host as sh
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 2, 2, 16, 4

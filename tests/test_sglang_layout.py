@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from dynamo_tiered_kv.codec import decode_block, encode_blocks, record_bytes
+from dynamo_tiered_kv.blocks.codec import decode_block, encode_blocks, record_bytes
+from dynamo_tiered_kv.blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from dynamo_tiered_kv.errors import LayoutMismatch
-from dynamo_tiered_kv.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 
 L, H, D, PS, PAGES = 3, 2, 16, 4, 8
 NS, KEY, PARENT = b"n" * 16, b"k" * 16, b"p" * 16
@@ -27,7 +27,7 @@ def _records(layout: EngineLayout, blocks: list[int]) -> np.ndarray:
 
 
 def _payload(layout: EngineLayout, block: int) -> bytes:
-    from dynamo_tiered_kv.codec import payload_view
+    from dynamo_tiered_kv.blocks.codec import payload_view
 
     return payload_view(_records(layout, [block])[0]).tobytes()
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_connector_async import _GatedStore, _spec, _worker
 
-from dynamo_tiered_kv.device_staging import DeviceSpan, DeviceStagingPool
+from dynamo_tiered_kv.staging.device_slabs import DeviceSpan, DeviceStagingPool
 from dynamo_tiered_kv.testing import make_record, random_key, small_shape
 
 SHAPE = small_shape(num_layers=2)
@@ -95,7 +95,7 @@ def test_device_staging_is_allocated_outside_the_engine_threads_memory_pool(monk
     """vLLM builds the store (``register_kv_caches``) inside ``CuMemAllocator.use_memory_pool``, which
     like ``torch.cuda.use_mem_pool`` routes the calling thread's allocations only. A fake pool with
     that per-thread rule stands in for it: the staging slabs must not come out of it."""
-    from dynamo_tiered_kv import device_staging
+    from dynamo_tiered_kv.staging import device_slabs as device_staging
 
     pool = threading.local()  # pool.active: this thread's allocations go to the sleep-mode pool
     allocations: list[bool] = []
@@ -115,7 +115,7 @@ def test_device_staging_is_allocated_outside_the_engine_threads_memory_pool(monk
 
 
 def test_device_staging_allocation_errors_reach_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dynamo_tiered_kv import device_staging
+    from dynamo_tiered_kv.staging import device_slabs as device_staging
 
     def oom(nbytes: int, device: torch.device) -> torch.Tensor:
         raise torch.OutOfMemoryError("fake")

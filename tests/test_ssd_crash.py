@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_tiered_kv.codec import verify_record
+from dynamo_tiered_kv.blocks.codec import verify_record
 from dynamo_tiered_kv.testing.ssd_torture import KEY_SPACE, key_of, record_of, replay_journal, writer_main
 from dynamo_tiered_kv.tiers.ssd import SSDTier
 

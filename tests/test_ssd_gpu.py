@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dynamo_tiered_kv.staging import StagingPool
+from dynamo_tiered_kv.staging.slabs import StagingPool
 from dynamo_tiered_kv.testing import make_record, random_key, small_shape
 from dynamo_tiered_kv.tiers.base import ReadRequest
 from dynamo_tiered_kv.tiers.ssd import SSDTier, metrics

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("nixl")
 
-from dynamo_tiered_kv.device_staging import DeviceSpan, DeviceStagingPool
+from dynamo_tiered_kv.staging.device_slabs import DeviceSpan, DeviceStagingPool
 from dynamo_tiered_kv.tiers.ssd.gds import MAX_DESC_BYTES, DeviceIO, _merge
 
 

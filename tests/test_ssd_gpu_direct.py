@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dynamo_tiered_kv.device_staging import DeviceSpan, DeviceStagingPool
 from dynamo_tiered_kv.errors import TierUnavailable
+from dynamo_tiered_kv.staging.device_slabs import DeviceSpan, DeviceStagingPool
 from dynamo_tiered_kv.testing import make_record, random_key, small_shape
 from dynamo_tiered_kv.tiers.base import ReadRequest
 from dynamo_tiered_kv.tiers.ssd import SSDTier, metrics

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from dynamo_tiered_kv.blocks.keys import KEY_BYTES, Namespace
 from dynamo_tiered_kv.config import TieredKVConfig
 from dynamo_tiered_kv.factory import build_store
-from dynamo_tiered_kv.keys import KEY_BYTES, Namespace
 from dynamo_tiered_kv.testing import make_record, random_key, small_shape
 from dynamo_tiered_kv.testing.records import TEST_NAMESPACE
 from dynamo_tiered_kv.tiers.ssd import SSDTier

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dynamo_tiered_kv.staging import StagingPool
+from dynamo_tiered_kv.staging.slabs import StagingPool
 from dynamo_tiered_kv.tiers.ssd import io as sio
 from dynamo_tiered_kv.tiers.ssd.io import aligned_buffer, probe_odirect
 from tests.test_ssd_tier import opened, rec

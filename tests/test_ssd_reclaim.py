@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dynamo_tiered_kv.blocks.codec import verify_record
 from dynamo_tiered_kv.cli import main
-from dynamo_tiered_kv.codec import verify_record
 from dynamo_tiered_kv.testing import make_record, random_key, small_shape
 from dynamo_tiered_kv.tiers.base import ReadRequest
 from dynamo_tiered_kv.tiers.ssd import SSDTier, metrics, reads, reclaim

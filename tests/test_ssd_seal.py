@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dynamo_tiered_kv.blocks.keys import Namespace
 from dynamo_tiered_kv.errors import TierUnavailable
-from dynamo_tiered_kv.keys import Namespace
-from dynamo_tiered_kv.staging import StagingPool
+from dynamo_tiered_kv.staging.slabs import StagingPool
 from dynamo_tiered_kv.store import TieredStore
 from dynamo_tiered_kv.testing import make_record, random_key, small_shape
 from dynamo_tiered_kv.testing.ssd import open_ssd_tier

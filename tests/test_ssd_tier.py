@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dynamo_tiered_kv.errors import TierFull
-from dynamo_tiered_kv.staging import StagingPool
+from dynamo_tiered_kv.staging.slabs import StagingPool
 from dynamo_tiered_kv.testing import make_record, random_key, small_shape
 from dynamo_tiered_kv.testing.ssd import open_ssd_tier
 from dynamo_tiered_kv.testing.ssd import read_whole as read

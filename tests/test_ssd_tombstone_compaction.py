@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_tiered_kv.codec import verify_record
+from dynamo_tiered_kv.blocks.codec import verify_record
 from dynamo_tiered_kv.testing import make_record, random_key, small_shape
 from dynamo_tiered_kv.tiers.ssd import SSDTier, tombstones
 from dynamo_tiered_kv.tiers.ssd.segment import TOMBSTONE, TOMBSTONE_FILE, read_tombstones, segment_name

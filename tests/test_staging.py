@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dynamo_tiered_kv.errors import StagingExhausted
-from dynamo_tiered_kv.staging import PAGE, StagingPool
+from dynamo_tiered_kv.staging.slabs import PAGE, StagingPool
 
 
 def test_slabs_are_page_aligned_and_reused() -> None:

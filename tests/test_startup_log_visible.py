@@ -10,7 +10,7 @@ import sys
 BUILD = """
 from dynamo_tiered_kv.config import TieredKVConfig
 from dynamo_tiered_kv.factory import build_store
-from dynamo_tiered_kv.keys import Namespace
+from dynamo_tiered_kv.blocks.keys import Namespace
 cfg = TieredKVConfig.from_mapping({"host_capacity_bytes": "8Mi", "staging_slab_bytes": "1Mi", "staging_slabs": 2})
 build_store(cfg, Namespace("tiny", "bfloat16", "KV_SPLIT", 16, 2, 2, 64)).close()
 """

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from dynamo_tiered_kv.codec import encode_blocks, record_bytes
+from dynamo_tiered_kv.blocks.codec import encode_blocks, record_bytes
+from dynamo_tiered_kv.blocks.keys import Namespace, chain_keys, parents_of
+from dynamo_tiered_kv.blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from dynamo_tiered_kv.errors import TierUnavailable
-from dynamo_tiered_kv.keys import Namespace, chain_keys, parents_of
-from dynamo_tiered_kv.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
-from dynamo_tiered_kv.staging import StagingPool
-from dynamo_tiered_kv.store import Admission, TieredStore
+from dynamo_tiered_kv.staging.slabs import StagingPool
+from dynamo_tiered_kv.store.store import Admission, TieredStore
 from dynamo_tiered_kv.tiers.base import ByteRange, Tier, TierCapabilities
 from dynamo_tiered_kv.tiers.host import HostTier
 
@@ -315,7 +315,7 @@ def test_chunked_load_pipelines_and_frees_every_slab_on_failure(pool: StagingPoo
 
 
 def test_broken_decode_fails_the_load_and_frees_the_slab(pool: StagingPool, monkeypatch: pytest.MonkeyPatch) -> None:
-    import dynamo_tiered_kv.store_reads as store_mod
+    import dynamo_tiered_kv.store.reads.pipeline as store_mod
 
     keys = keys_for(3)
     with make_store([HostTier(64 * REC, chunk_bytes=REC, pin=False)], pool) as store:

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 from test_store import REC, NamedHost, block_bytes, keys_for, make_layout, make_store
 
-from dynamo_tiered_kv.keys import parents_of
-from dynamo_tiered_kv.staging import StagingPool
+from dynamo_tiered_kv.blocks.keys import parents_of
+from dynamo_tiered_kv.staging.slabs import StagingPool
 from dynamo_tiered_kv.tiers.host import HostTier
 
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-import dynamo_tiered_kv.store_direct_reads as sdr
-from dynamo_tiered_kv.staging import StagingPool
+import dynamo_tiered_kv.store.reads.direct as sdr
+from dynamo_tiered_kv.staging.slabs import StagingPool
 from dynamo_tiered_kv.tiers.ssd import SSDTier
 from tests.test_store import REC, block_bytes, make_layout
 from tests.test_store_pipeline import _all_slabs_back, _filled

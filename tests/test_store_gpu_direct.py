@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from dynamo_tiered_kv.codec import header_bytes
-from dynamo_tiered_kv.device_staging import DeviceStagingPool
-from dynamo_tiered_kv.keys import Namespace, chain_keys, parents_of
-from dynamo_tiered_kv.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
-from dynamo_tiered_kv.staging import StagingPool
+from dynamo_tiered_kv.blocks.codec import header_bytes
+from dynamo_tiered_kv.blocks.keys import Namespace, chain_keys, parents_of
+from dynamo_tiered_kv.blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
+from dynamo_tiered_kv.staging.device_slabs import DeviceStagingPool
+from dynamo_tiered_kv.staging.slabs import StagingPool
 from dynamo_tiered_kv.store import TieredStore
 from dynamo_tiered_kv.tiers.host import HostTier
 from dynamo_tiered_kv.tiers.ssd import SSDTier, metrics

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-import dynamo_tiered_kv.store_reads as sr
+import dynamo_tiered_kv.store.reads.pipeline as sr
+from dynamo_tiered_kv.blocks.keys import parents_of
 from dynamo_tiered_kv.errors import TierFull, TierUnavailable
-from dynamo_tiered_kv.keys import parents_of
-from dynamo_tiered_kv.staging import StagingPool
-from dynamo_tiered_kv.store_reads import _split, _union
+from dynamo_tiered_kv.staging.slabs import StagingPool
+from dynamo_tiered_kv.store.reads.pipeline import _split, _union
 from dynamo_tiered_kv.tiers.host import HostTier
 from tests.test_store import NS, REC, GatedTier, NamedHost, block_bytes, keys_for, make_layout, make_store
 
@@ -297,7 +297,7 @@ def test_split_and_union_helpers() -> None:
 
 
 def test_decode_records_in_place_verifies_each_record() -> None:
-    from dynamo_tiered_kv.codec import decode_records, encode_blocks
+    from dynamo_tiered_kv.blocks.codec import decode_records, encode_blocks
     from dynamo_tiered_kv.errors import ChecksumMismatch
 
     src, dst = make_layout(16, seed=5), make_layout(16)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_tiered_kv.keys import parents_of
-from dynamo_tiered_kv.policy import Retention
-from dynamo_tiered_kv.staging import StagingPool
+from dynamo_tiered_kv.blocks.keys import parents_of
+from dynamo_tiered_kv.policy.admission import Retention
+from dynamo_tiered_kv.staging.slabs import StagingPool
 from dynamo_tiered_kv.store import TieredStore
 from dynamo_tiered_kv.tiers.host import HostTier
 from dynamo_tiered_kv.tiers.ssd import SSDTier

@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-import dynamo_tiered_kv.helper_pools as pools
-from dynamo_tiered_kv.keys import parents_of
-from dynamo_tiered_kv.pacing import StepShare
-from dynamo_tiered_kv.policy import Admission, Retention
-from dynamo_tiered_kv.staging import StagingPool
+import dynamo_tiered_kv.store.reads.helper_pools as pools
+from dynamo_tiered_kv.blocks.keys import parents_of
+from dynamo_tiered_kv.policy.admission import Admission, Retention
+from dynamo_tiered_kv.policy.pacing import StepShare
+from dynamo_tiered_kv.staging.slabs import StagingPool
 from dynamo_tiered_kv.store import TieredStore
 from dynamo_tiered_kv.tiers.host import HostTier
 from tests.test_store import NS, REC, keys_for, make_layout

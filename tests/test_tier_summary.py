@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from dynamo_tiered_kv.blocks.keys import Namespace
 from dynamo_tiered_kv.config import TieredKVConfig
 from dynamo_tiered_kv.factory import build_store, tier_summary
-from dynamo_tiered_kv.keys import Namespace
 
 NS = Namespace("tiny", "bfloat16", "KV_SPLIT", 16, 2, 2, 64)
 

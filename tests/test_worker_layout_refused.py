@@ -8,10 +8,10 @@ import uuid
 import pytest
 import torch
 
+from dynamo_tiered_kv.blocks.layout import EngineLayoutKind, allocate_engine_kv
 from dynamo_tiered_kv.config import TieredKVConfig
 from dynamo_tiered_kv.connectors.vllm.metadata import LoadSpec, SaveSpec, TieredKVMetadata
 from dynamo_tiered_kv.connectors.vllm.worker import WorkerRole
-from dynamo_tiered_kv.layout import EngineLayoutKind, allocate_engine_kv
 
 BS = 4
 

@@ -8,8 +8,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import to_unsigned, xxh3_64_rows
-from kernels.xxh3 import _as_words
+from dynamo_tiered_kv.kernels import to_unsigned, xxh3_64_rows
+from dynamo_tiered_kv.kernels.xxh3 import _as_words
 
 # Every XXH3 path and its edges: 0, 1-3, 4-8, 9-16, 17-128 (each 32-byte round), 129-240, and the long
 # path around stripe (64 B) and block (1 KiB) boundaries.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from ..keys import KEY_BYTES
+from ..blocks.keys import KEY_BYTES
 
 
 def random_key(i: int, salt: bytes = b"") -> bytes:

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import codec
-from ..keys import Namespace, chain_keys, parents_of
-from ..layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
-from ..staging import StagingPool
+from ..blocks import codec
+from ..blocks.keys import Namespace, chain_keys, parents_of
+from ..blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
+from ..staging.slabs import StagingPool
 from . import report
 
 

@@ -26,12 +26,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..codec import decode_blocks, encode_blocks, record_bytes
-from ..device_codec import decode_blocks_on_device, encode_blocks_on_device
-from ..device_staging import DeviceSpan, DeviceStagingPool, synchronize
-from ..keys import Namespace, chain_keys, parents_of
-from ..layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
-from ..staging import StagingPool
+from ..blocks.codec import decode_blocks, encode_blocks, record_bytes
+from ..blocks.device_codec import decode_blocks_on_device, encode_blocks_on_device
+from ..blocks.keys import Namespace, chain_keys, parents_of
+from ..blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
+from ..staging.device_slabs import DeviceSpan, DeviceStagingPool, synchronize
+from ..staging.slabs import StagingPool
 from ..tiers.base import ReadRequest
 from ..tiers.ssd import SSDTier
 from ..tiers.ssd.gds_probe import gds_verdict

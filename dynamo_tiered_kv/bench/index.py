@@ -30,8 +30,8 @@ from typing import Any
 
 import xxhash
 
-from .. import settings_cli
-from ..keys import BlockKey, Namespace
+from ..blocks.keys import BlockKey, Namespace
+from ..config import settings_cli
 from ..tiers.objectstore.backend import ObjectBackend, ObjectInfo, Source
 from ..tiers.objectstore.index import release_free_heap
 from ..tiers.objectstore.layout import manifest_name, ns_prefix

@@ -26,11 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from ..codec import record_bytes
+from ..blocks.codec import record_bytes
+from ..blocks.keys import Namespace, chain_keys, parents_of
+from ..blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from ..config import TieredKVConfig
 from ..factory import build_store
-from ..keys import Namespace, chain_keys, parents_of
-from ..layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from ..tiers.ssd.io import aligned_buffer
 from .report import progress, table
 

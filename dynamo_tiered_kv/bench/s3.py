@@ -37,10 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from ..codec import encode_payload, record_bytes
-from ..keys import KEY_BYTES, ROOT_KEY
-from ..layout import BlockShape, CanonicalFormat, DType
-from ..staging import StagingPool
+from ..blocks.codec import encode_payload, record_bytes
+from ..blocks.keys import KEY_BYTES, ROOT_KEY
+from ..blocks.layout import BlockShape, CanonicalFormat, DType
+from ..staging.slabs import StagingPool
 from ..tiers.base import ReadRequest
 from ..tiers.objectstore import ObjectTier, S3Backend
 from ..tiers.segments import SealedSegment, SegmentEntry

@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..blocks.keys import BlockKey, Namespace, chain_keys, parents_of
+from ..blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from ..config import TieredKVConfig
 from ..factory import build_store
-from ..keys import BlockKey, Namespace, chain_keys, parents_of
-from ..layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from ..store import TieredStore
 from .report import progress, table
 from .soak_hints import HintedTurns, conversation_scope

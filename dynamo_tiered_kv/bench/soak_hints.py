@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from ..blocks.keys import BlockKey
 from ..hints import HintStats, read_hints
 from ..hints.sessions import RetentionCursor, SessionScopes, ends_session, holder
-from ..keys import BlockKey
 from ..store import TieredStore
 
 TENANTS = 3

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..codec import encode_payload, header_bytes, record_bytes
-from ..keys import KEY_BYTES
-from ..layout import BlockShape, CanonicalFormat, DType
-from ..sizes import size_arg
+from ..blocks.codec import encode_payload, header_bytes, record_bytes
+from ..blocks.keys import KEY_BYTES
+from ..blocks.layout import BlockShape, CanonicalFormat, DType
+from ..config.sizes import size_arg
 from ..tiers.base import ReadRequest
 from ..tiers.ssd import SSDTier
 from ..tiers.ssd.io import aligned_buffer

@@ -16,10 +16,10 @@ import time
 
 import numpy as np
 
-from ..codec import record_bytes
-from ..keys import Namespace, chain_keys, parents_of
-from ..layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
-from ..staging import StagingPool
+from ..blocks.codec import record_bytes
+from ..blocks.keys import Namespace, chain_keys, parents_of
+from ..blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
+from ..staging.slabs import StagingPool
 from ..store import TieredStore
 from ..tiers.host import HostTier
 from . import report

@@ -98,7 +98,7 @@ def engine_compare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """ExampleConnector vs dtkv on the same engine and prompts: store and restore (see module doc)."""
     from tqdm import tqdm
 
-    from ..connectors.vllm.tiny_model import build_tiny_model, synthetic_tokens
+    from .engine.tiny_model import build_tiny_model, synthetic_tokens
 
     contexts = [int(x) for x in args.contexts.split(",")]
     if args.quick:

@@ -124,7 +124,7 @@ def _work_note(work: Path, keep: bool) -> str:
 def _sessions(args: argparse.Namespace, work: Path) -> tuple[int, dict[str, Any] | None]:
     for d in ("ssd", "objects"):
         shutil.rmtree(work / d, ignore_errors=True)
-    from ..connectors.vllm.tiny_model import DEMO_SPEC, build_tiny_model
+    from ..bench.engine.tiny_model import DEMO_SPEC, build_tiny_model
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # a progress bar for a 1-second write is noise
 
@@ -225,7 +225,7 @@ def _phase(args: argparse.Namespace) -> int:
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from ..connectors.vllm.tiny_model import DEMO_SPEC, synthetic_tokens
+    from ..bench.engine.tiny_model import DEMO_SPEC, synthetic_tokens
 
     work: Path = args.dir
     llm = LLM(model=str(work / "model"), dtype="bfloat16", max_model_len=DEMO_SPEC.max_position_embeddings,

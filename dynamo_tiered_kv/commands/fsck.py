@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import settings_cli
+from ..config import settings_cli
 from ..errors import TierUnavailable
 from ._targets import missing_local_root
 

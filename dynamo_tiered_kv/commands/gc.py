@@ -16,8 +16,7 @@ import re
 import sys
 from typing import TYPE_CHECKING
 
-from .. import settings_cli
-from ..config import TieredKVConfig
+from ..config import TieredKVConfig, settings_cli
 from ..errors import TierUnavailable
 from ._targets import missing_local_root
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..codec import record_bytes
+from ..blocks.codec import record_bytes
+from ..blocks.layout import BlockShape, CanonicalFormat, DType
 from ..errors import ConfigError
-from ..layout import BlockShape, CanonicalFormat, DType
 
 #: KV / weight dtype names accepted on the command line.
 DTYPES: dict[str, DType] = {

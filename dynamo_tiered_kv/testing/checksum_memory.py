@@ -21,9 +21,9 @@ SHAPES = ((32, 64 << 10, 15), (32, 64 << 10, 60), (80, 32 << 10, 12))
 
 _PROBE = """
 import json, resource, sys, torch
-from dynamo_tiered_kv import device_codec
-from dynamo_tiered_kv.codec import header_bytes, record_bytes
-from dynamo_tiered_kv.layout import BlockShape, CanonicalFormat, DType
+from dynamo_tiered_kv.blocks import device_codec
+from dynamo_tiered_kv.blocks.codec import header_bytes, record_bytes
+from dynamo_tiered_kv.blocks.layout import BlockShape, CanonicalFormat, DType
 nl, lb, n = map(int, sys.argv[1:4])
 shape = BlockShape(CanonicalFormat.KV_SPLIT, DType.UINT8, nl, 1, 1, lb // 2)  # K and V: lb bytes a layer
 hb, rb = header_bytes(nl), record_bytes(shape)

@@ -7,9 +7,9 @@ import hashlib
 import numpy as np
 
 from ..bench._keys import random_key
-from ..codec import encode_payload, record_bytes
-from ..keys import KEY_BYTES, ROOT_KEY
-from ..layout import BlockShape, CanonicalFormat, DType
+from ..blocks.codec import encode_payload, record_bytes
+from ..blocks.keys import KEY_BYTES, ROOT_KEY
+from ..blocks.layout import BlockShape, CanonicalFormat, DType
 
 __all__ = ["TEST_NAMESPACE", "make_record", "random_key", "small_shape"]
 

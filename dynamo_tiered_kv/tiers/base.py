@@ -22,10 +22,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..keys import BlockKey
+from ..blocks.keys import BlockKey
 
 if TYPE_CHECKING:
-    from ..device_staging import DeviceSpan
+    from ..staging.device_slabs import DeviceSpan
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..blocks.keys import BlockKey
 from ..errors import TierFull
-from ..keys import BlockKey
-from ..staging import Slab
+from ..staging.slabs import Slab
 from .base import ByteRange, Tier, TierCapabilities, TierUsage, check_range
 
 if TYPE_CHECKING:
-    from ..residency import TierHook
-    from ..retention import RetentionClasses
+    from ..policy.residency import TierHook
+    from ..policy.retention import RetentionClasses
 
 DEFAULT_CHUNK_BYTES = 256 * 1024
 

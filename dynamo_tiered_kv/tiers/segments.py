@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ..keys import BlockKey
+from ..blocks.keys import BlockKey
 
 
 @dataclass(frozen=True, slots=True)

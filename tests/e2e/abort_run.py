@@ -18,7 +18,7 @@ def main(model: str, root: str, out_path: str) -> None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.v1.request import RequestStatus
 
-    from dynamo_tiered_kv.connectors.vllm.tiny_model import synthetic_tokens
+    from dynamo_tiered_kv.bench.engine.tiny_model import synthetic_tokens
 
     # sync_restore_max_tokens 0: this small restore on an idle engine would otherwise run synchronously
     cfg = {"host_capacity_bytes": 256 << 20, "metrics_port": None, "sync_restore_max_tokens": 0}

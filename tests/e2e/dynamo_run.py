@@ -5,7 +5,7 @@
 What it does (every address is 127.0.0.1; discovery is Dynamo's file backend, requests go over its
 TCP request plane, events over its ZMQ event plane: no etcd, no NATS):
 
-1. builds a tiny random-weight Llama offline (``dynamo_tiered_kv.connectors.vllm.tiny_model``) and gives
+1. builds a tiny random-weight Llama offline (``dynamo_tiered_kv.bench.engine.tiny_model``) and gives
    its tokenizer a one-line chat template (Dynamo's frontend refuses a model without one);
 2. starts ``python -m dynamo.frontend`` and ``python -m dynamo.vllm ... --kv-transfer-config
    {TieredKVConnector, host + SSD + file:// object tier, metrics_port}``;
@@ -173,7 +173,7 @@ class Run:
 
     # --- pieces -------------------------------------------------------------------------------------
     def model(self) -> Path:
-        from dynamo_tiered_kv.connectors.vllm.tiny_model import TEST_SPEC, build_tiny_model
+        from dynamo_tiered_kv.bench.engine.tiny_model import TEST_SPEC, build_tiny_model
 
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         d = build_tiny_model(self.work / "model", TEST_SPEC)

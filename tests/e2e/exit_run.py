@@ -2,7 +2,7 @@
 
 SPEC: {"model": dir, "extra_config": {...}, "prompt": [ids...], "block_size": n, "chunk": n}
 OUT:  {"num_cached_tokens": n}. The process then just returns from ``main``: whatever the store
-keeps is what its exit hook saved (``dynamo_tiered_kv.lifecycle``).
+keeps is what its exit hook saved (``dynamo_tiered_kv.store.lifecycle``).
 """
 
 from __future__ import annotations

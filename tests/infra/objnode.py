@@ -16,12 +16,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dynamo_tiered_kv.codec import verify_record
-from dynamo_tiered_kv.flush import Flusher
-from dynamo_tiered_kv.staging import StagingPool
+from dynamo_tiered_kv.blocks.codec import verify_record
+from dynamo_tiered_kv.staging.slabs import StagingPool
 from dynamo_tiered_kv.tiers.base import ReadRequest
 from dynamo_tiered_kv.tiers.host import HostTier
 from dynamo_tiered_kv.tiers.objectstore import ObjectTier, backend_from_url
+from dynamo_tiered_kv.tiers.objectstore.flush import Flusher
 from infra.segments_fake import FakeSegmentSource
 
 

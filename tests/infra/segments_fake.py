@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from dynamo_tiered_kv.keys import ROOT_KEY
+from dynamo_tiered_kv.blocks.keys import ROOT_KEY
 from dynamo_tiered_kv.testing import make_record, random_key, small_shape
 from dynamo_tiered_kv.tiers.segments import SealedSegment, SegmentEntry
 

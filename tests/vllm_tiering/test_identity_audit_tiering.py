@@ -25,8 +25,8 @@ from engine_configs import namespace_of, tier_settings, vllm_config
 from vllm.config import CacheConfig, ModelConfig, ParallelConfig, VllmConfig
 from vllm.lora.request import LoRARequest
 
-from dynamo_tiered_kv.connectors.vllm.identity_fields import VLLM_FIELDS
-from dynamo_tiered_kv.connectors.vllm.tiny_model import build_tiny_model
+from dynamo_tiered_kv.bench.engine.tiny_model import build_tiny_model
+from dynamo_tiered_kv.connectors.common.identity_fields import VLLM_FIELDS
 
 # For each model or cache field classified "identity": a value that must change the namespace, and the
 # base settings under which it does (a KV-quantization skip list matters only with a quantized KV cache).
@@ -69,7 +69,7 @@ def test_every_vllm_033_engine_config_field_is_classified() -> None:
                "LoRARequest": LoRARequest}
     unclassified = {name: sorted(_field_names(cls) - VLLM_FIELDS[name].keys()) for name, cls in classes.items()}
     assert unclassified == {name: [] for name in classes}, (
-        "classify these fields in dynamo_tiered_kv/connectors/vllm/identity_fields.py: does each change KV bytes?")
+        "classify these fields in dynamo_tiered_kv/connectors/common/identity_fields.py: does each change KV bytes?")
 
 
 def test_changes_cover_exactly_the_model_and_cache_identity_fields() -> None:

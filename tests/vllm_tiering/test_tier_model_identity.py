@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 from vllm.v1.kv_offload.base import LookupResult
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from dynamo_tiered_kv.connectors.vllm.tiny_model import build_tiny_model
+from dynamo_tiered_kv.bench.engine.tiny_model import build_tiny_model
 from dynamo_tiered_kv.connectors.vllm_tiering.key_mapping import UNSHARED_MARK, declared_model
 from dynamo_tiered_kv.errors import ConfigError
 

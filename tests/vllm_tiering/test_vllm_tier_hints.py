@@ -9,7 +9,7 @@ from tiering_engine import Engine, keys
 from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 from vllm.v1.kv_offload.base import ReqContext
 
-from dynamo_tiered_kv.connectors.session_flags import session_final
+from dynamo_tiered_kv.connectors.common.session_flags import session_final
 from dynamo_tiered_kv.connectors.vllm_tiering.key_mapping import block_keys
 
 

@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _conversations(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from ...connectors.vllm.tiny_model import synthetic_tokens
+    from ..engine.tiny_model import synthetic_tokens
 
     v = BENCH_SPEC.vocab_size
     return [{"system": synthetic_tokens(args.system_tokens * (a + 1) // args.agents, seed=1000 + a, vocab_size=v),
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(2)
     if args.quick:
         args.agents, args.turns, args.system_tokens, args.tool_tokens = 2, 3, 2048, 512
-    from ...connectors.vllm.tiny_model import build_tiny_model
+    from ..engine.tiny_model import build_tiny_model
 
     work: Path = args.out
     work.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ...connectors.vllm.tiny_model import TinyModelSpec
+from .tiny_model import TinyModelSpec
 
 BLOCK_SIZE = 64
 #: Random-weight Llama shaped like Llama-3 in miniature so that prefill is not trivial on a 2-core

@@ -159,8 +159,8 @@ def _plan(args: argparse.Namespace, work: Path, longs: list[list[int]], obj: dic
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     require_vllm("interference")
-    from ...connectors.vllm.tiny_model import QWEN2_BENCH_SPEC, synthetic_tokens
     from ..engine.launch import model_desc
+    from ..engine.tiny_model import QWEN2_BENCH_SPEC, synthetic_tokens
 
     # not at module level: the package would import the engine module before ``python -m`` runs it
     from .engine import MAX_DECODE_FACTOR

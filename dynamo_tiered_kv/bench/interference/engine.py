@@ -42,7 +42,7 @@ def run_phase(s: Session, spec: dict[str, Any], tag: str, restores: list[list[in
               resident: bool = False, trace: StepTrace | None = None) -> dict[str, Any]:
     """Decode streams (plus ``restores`` arriving while they decode): token times and restore TTFTs.
     ``resident``: the long prompts are computed first, so their prefixes arrive in vLLM's prefix cache."""
-    from ...connectors.vllm.tiny_model import synthetic_tokens
+    from ..engine.tiny_model import synthetic_tokens
 
     if s.store is not None:
         s.store.drain(120)

@@ -83,7 +83,7 @@ def load_async_extra(mode: str) -> dict[str, Any]:
 
 def engine_base(work: Path, context: int, block_size: int, spec: Any) -> dict[str, Any]:
     """Model built into ``work/model``; the engine spec keys shared by every session."""
-    from ...connectors.vllm.tiny_model import build_tiny_model
+    from ..engine.tiny_model import build_tiny_model
 
     build_tiny_model(work / "model", spec)
     max_len = -(-(context + 2 * block_size) // block_size) * block_size
@@ -132,8 +132,8 @@ def run_plan(plan: list[tuple[str, dict[str, Any]]], steps: list[int], base: dic
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     require_vllm("restore")
-    from ...connectors.vllm.tiny_model import QWEN2_BENCH_SPEC, synthetic_tokens
     from ..engine.launch import kv_bytes_per_token, model_desc
+    from ..engine.tiny_model import QWEN2_BENCH_SPEC, synthetic_tokens
 
     if args.quick:
         args.context, args.rounds, args.recompute_rounds = min(args.context, 1024), 2, 1

@@ -37,11 +37,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ...codec import record_bytes
+from ...blocks.codec import record_bytes
+from ...blocks.keys import Namespace, chain_keys, parents_of
+from ...blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from ...hints import RetainDirective, plan_retention
-from ...keys import Namespace, chain_keys, parents_of
-from ...layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
-from ...staging import StagingPool
+from ...staging.slabs import StagingPool
 from ...store import TieredStore
 from ...tiers.host import HostTier
 from ...tiers.objectstore import LocalDirBackend, ObjectTier

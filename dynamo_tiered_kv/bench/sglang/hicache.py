@@ -91,8 +91,8 @@ def _raw_tier(tier: str, d: Path, cap: int) -> Any:
 def _measure(sgl: Any, sh: Any, args: argparse.Namespace, tier: str, layout: str, d: Path) -> dict[str, Any]:
     import torch
 
-    from ...codec import encode_blocks, record_bytes
-    from ...layout import EngineLayout
+    from ...blocks.codec import encode_blocks, record_bytes
+    from ...blocks.layout import EngineLayout
     from ...tiers.base import ReadRequest
     from ...tiers.ssd.io import aligned_buffer
     from .._keys import random_key

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
+from ...blocks.keys import ROOT_KEY, BlockKey, Namespace
+from ...blocks.layout import EngineLayout
 from ...config import TieredKVConfig
 from ...factory import build_store, check_record_fits
-from ...keys import ROOT_KEY, BlockKey, Namespace
-from ...layout import EngineLayout
 from ...store import TieredStore
 from .epoch import KeyEpoch, launch_token, served_weight_version
 from .identity import model_identity, namespace_for, page_keys, published_server_args, ranks_of, split_extra_config

@@ -5,7 +5,7 @@ SGLang hands the backend page hashes (strings; each already chains its whole tok
 geometry, layout); the scheduler process also publishes its ``ServerArgs``. The ``Namespace`` pins
 what makes the bytes interchangeable: model identity (every ``identity:`` field of
 ``server_args_table``, the hub snapshot commit of a hub model without a pinned commit, the
-weights fingerprint of a local checkpoint, as ``connectors/vllm/identity.py``), KV dtype,
+weights fingerprint of a local checkpoint, as ``connectors/common/identity.py``), KV dtype,
 canonical layout and shape, TP rank and size, pipeline stage, and the tenant salt. A key is
 ``engine_block_key(namespace, ROOT_KEY, epoch + page_hash)``, the vLLM worker's rule for
 engine-supplied hashes, so tenants and models can never read each other's pages.
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...blocks.keys import ROOT_KEY, BlockKey, Namespace, engine_block_key
+from ...blocks.layout import BlockShape
 from ...errors import ConfigError
-from ...keys import ROOT_KEY, BlockKey, Namespace, engine_block_key
-from ...layout import BlockShape
-from ..vllm.identity import hub_commit as vllm_hub_commit
-from ..vllm.identity import weights_fingerprint
+from ..common.identity import hub_commit as vllm_hub_commit
+from ..common.identity import weights_fingerprint
 from .epoch import served_weight_version
 from .server_args_table import IDENTITY, SERVER_ARGS_FIELDS
 

@@ -1,6 +1,6 @@
 """vLLM KV connector. ``kv_connector_module_path="dynamo_tiered_kv.connectors.vllm"`` and
 ``kv_connector="TieredKVConnector"``. The class is imported lazily, so helpers in this package
-(``tiny_model``) import without vLLM."""
+import without vLLM."""
 
 from __future__ import annotations
 

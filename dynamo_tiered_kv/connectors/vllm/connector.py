@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ...config import TieredKVConfig
 from ...errors import ConfigError
-from .identity import engine_identity
+from ..common.identity import engine_identity
 from .metadata import StepEcho, TieredKVMetadata
 from .rendezvous import LookupClient, engine_key
 from .scheduler import SchedulerRole, with_recompute_policy

@@ -37,7 +37,7 @@ import msgspec
 from vllm.distributed import kv_events as _kv_events
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 
-from ...residency import DISK, EXTERNAL, HOST
+from ...policy.residency import DISK, EXTERNAL, HOST
 
 
 @dataclass(frozen=True)

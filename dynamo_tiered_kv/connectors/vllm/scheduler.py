@@ -41,14 +41,14 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...blocks.keys import ROOT_KEY, Namespace, block_key, scope_salt
 from ...config import TieredKVConfig
 from ...hints import HintStats, RequestHints, read_hints
 from ...hints.limits import MAX_REQUEST_BLOCKS
 from ...hints.sessions import DEFAULT_TENANT, Holder, RetentionCursor, SessionScopes, ends_session, holder
 from ...hints.stats import HintCounts
-from ...keys import ROOT_KEY, Namespace, block_key, scope_salt
-from ..session_flags import session_final
-from .identity import lora_scopes
+from ..common.identity import lora_scopes
+from ..common.session_flags import session_final
 from .load_outcomes import LoadOutcomes
 from .metadata import LoadSpec, RetainSpec, SaveSpec, StepEcho, TieredKVMetadata
 from .rendezvous import LookupClient

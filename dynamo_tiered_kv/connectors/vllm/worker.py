@@ -9,14 +9,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ...blocks.keys import ROOT_KEY, Namespace, engine_block_key
+from ...blocks.layout import EngineLayout
 from ...config import TieredKVConfig
 from ...errors import LayoutMismatch
 from ...factory import build_store, check_record_fits
 from ...hints import HintStats
-from ...keys import ROOT_KEY, Namespace, engine_block_key
-from ...layout import EngineLayout
-from ...pacing import StepShare
-from ...residency import medium_of
+from ...policy.pacing import StepShare
+from ...policy.residency import medium_of
 from ...store import TieredStore
 from .cpu_amx import request_amx_tiles
 from .cpu_threads import engine_sync_decode_threads

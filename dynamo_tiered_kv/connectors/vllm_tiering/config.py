@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ...config import ENV_PREFIX, TieredKVConfig
+from ...config.settings import ENV_PREFIX, TieredKVConfig
 from ...errors import ConfigError
 
 

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent, OffloadKey
 
-from ...keys import BlockKey
-from ...residency import DISK, EXTERNAL, HOST
+from ...blocks.keys import BlockKey
+from ...policy.residency import DISK, EXTERNAL, HOST
 
 #: our residency medium -> (vLLM medium, locality, ownership suffix)
 VLLM_MEDIUM: dict[str, tuple[Medium, Locality, str]] = {

@@ -33,9 +33,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from ...blocks.keys import ROOT_KEY, BlockKey, Namespace, engine_block_key
 from ...errors import ConfigError
-from ...keys import ROOT_KEY, BlockKey, Namespace, engine_block_key
-from ..vllm.identity import engine_identity
+from ..common.identity import engine_identity
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...blocks.layout import EngineLayout, EngineLayoutKind
 from ...errors import ConfigError
-from ...layout import EngineLayout, EngineLayoutKind
 
 
 def primary_layout(view: memoryview) -> EngineLayout:

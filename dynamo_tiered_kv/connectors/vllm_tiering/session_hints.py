@@ -48,12 +48,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...blocks.keys import BlockKey
 from ...hints import FETCH_ACTION, PREFETCH_ACTION, BlockRetention, HintStats, RequestHints, read_hints
 from ...hints.limits import MAX_REQUEST_BLOCKS
 from ...hints.sessions import DEFAULT_TENANT, Holder, RetentionCursor, SessionScopes, ends_session, holder
-from ...keys import BlockKey
 from ...store import TieredStore
-from ..session_flags import session_final
+from ..common.session_flags import session_final
 
 log = logging.getLogger(__name__)
 

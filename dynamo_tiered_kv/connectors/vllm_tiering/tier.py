@@ -52,9 +52,9 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ...codec import record_bytes
+from ...blocks.codec import record_bytes
+from ...blocks.keys import ROOT_KEY, BlockKey
 from ...factory import build_store, check_record_fits
-from ...keys import ROOT_KEY, BlockKey
 from .config import split_settings
 from .events import TierEvents
 from .jobs import JobRunner

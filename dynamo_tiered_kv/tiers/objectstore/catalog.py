@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...keys import KEY_BYTES
+from ...blocks.keys import KEY_BYTES
 from .index import DEAD, U32_MAX, CompactObjectIndex, ObjectTable, split_keys
 from .layout import manifest_name_ms, parse_data_name, parse_manifest_name
 from .manifest import MAX_RETAIN_S, ManifestError, checked_body, parse_retain

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ...retention import ANONYMOUS
+from ...policy.retention import ANONYMOUS
 from .backend import ObjectBackend
 from .catalog import Catalog
 from .gc import delete_if_over
@@ -34,7 +34,7 @@ from .manifest import MAX_RETAIN_S
 if TYPE_CHECKING:
     import asyncio
 
-    from ...retention import RetentionClasses
+    from ...policy.retention import RetentionClasses
 
 
 class ExpiringTier(Protocol):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ...codec import verify_record
+from ...blocks.codec import verify_record
 from ...errors import RecordError
 from ..segments import SegmentEntry
 from .backend import ObjectBackend

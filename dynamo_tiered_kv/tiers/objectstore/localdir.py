@@ -19,8 +19,8 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..._fileio import fsync_dir
 from ...errors import TierUnavailable
+from .._fileio import fsync_dir
 from .backend import FileSource, ObjectBackend, ObjectInfo, Source
 from .threads import run_in_thread
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from ...blocks.keys import KEY_BYTES
 from ...errors import TieredKVError
-from ...keys import KEY_BYTES
 from ..segments import SegmentEntry
 from .layout import manifest_name
 

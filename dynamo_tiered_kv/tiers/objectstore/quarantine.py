@@ -22,7 +22,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ...codec import verify_record
+from ...blocks.codec import verify_record
 from ...errors import RecordError, TierUnavailable
 from .backend import ObjectBackend
 from .manifest import MANIFEST_DIR, Manifest, ManifestError, digest_of

@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...codec import verify_record
+from ...blocks.codec import verify_record
+from ...blocks.keys import BlockKey
 from ...errors import NamespaceMismatch, RecordError, TierUnavailable
-from ...keys import BlockKey
 from ..base import ByteRange, ReadRequest, Tier, TierCapabilities, TierUsage, check_range
 from ..segments import SegmentEntry
 from .backend import ObjectBackend
@@ -64,7 +64,7 @@ from .stats import ObjectTierStats
 from .writes import ObjectWrites
 
 if TYPE_CHECKING:
-    from ...retention import RetentionClasses
+    from ...policy.retention import RetentionClasses
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ...blocks.keys import BlockKey
 from ...errors import TierFull, TierUnavailable
-from ...keys import BlockKey
 from ..segments import SealedSegment, SegmentEntry
 from .backend import FileSource, ObjectBackend
 from .expiry import retain_field
@@ -36,7 +36,7 @@ from .quarantine import has_markers
 from .retry import shared_deadline, with_timeout
 
 if TYPE_CHECKING:
-    from ...retention import RetentionClasses
+    from ...policy.retention import RetentionClasses
     from .catalog import Catalog
     from .stats import ObjectTierStats
 

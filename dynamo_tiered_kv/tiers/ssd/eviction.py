@@ -34,8 +34,8 @@ from .io import PosixIO
 from .segment import flushed_marker, read_footer_at
 
 if TYPE_CHECKING:
-    from ...residency import TierHook
-    from ...retention import RetentionClasses
+    from ...policy.residency import TierHook
+    from ...policy.retention import RetentionClasses
 
 
 @dataclass(eq=False)

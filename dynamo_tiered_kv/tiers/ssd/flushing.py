@@ -19,7 +19,7 @@ from .recovery import fsync_dir
 from .segment import flushed_marker, read_footer_at
 
 if TYPE_CHECKING:
-    from ...residency import TierHook
+    from ...policy.residency import TierHook
 
 
 @dataclass(eq=False)

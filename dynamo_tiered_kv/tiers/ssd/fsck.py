@@ -25,7 +25,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ...codec import MAGIC, verify_record
+from ...blocks.codec import MAGIC, verify_record
 from ...errors import RecordError
 from .quarantine import open_regular
 from .recovery import newest_segment, scan_records

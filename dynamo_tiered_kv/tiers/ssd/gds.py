@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ...codec import ALIGN
-from ...device_staging import DeviceSlab, DeviceSpan, synchronize
+from ...blocks.codec import ALIGN
+from ...staging.device_slabs import DeviceSlab, DeviceSpan, synchronize
 from .io import _import_nixl, _wait
 
 log = logging.getLogger(__name__)

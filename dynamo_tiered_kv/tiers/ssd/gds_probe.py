@@ -87,7 +87,7 @@ def _self_test(dio: Any, directory: Path) -> None:
     """4 KiB through a real registered CUDA slab and an O_DIRECT file in ``directory``."""
     import torch
 
-    from ...device_staging import DeviceSlab
+    from ...staging.device_slabs import DeviceSlab
 
     slab = DeviceSlab(0, 2 << 20, torch.device("cuda", torch.cuda.current_device()))
     try:

@@ -17,8 +17,8 @@ import struct
 from array import array
 from collections.abc import Iterator
 
-from ...codec import ALIGN
-from ...keys import KEY_BYTES
+from ...blocks.codec import ALIGN
+from ...blocks.keys import KEY_BYTES
 
 _KEY = struct.Struct("<QQ")
 _EMPTY = -1

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...codec import ALIGN
+from ...blocks.codec import ALIGN
 
 log = logging.getLogger(__name__)
 IOV_MAX = 1024

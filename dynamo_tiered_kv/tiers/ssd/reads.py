@@ -16,9 +16,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ...codec import verify_record
+from ...blocks.codec import verify_record
+from ...blocks.keys import BlockKey
 from ...errors import RecordError
-from ...keys import BlockKey
 from ..base import ByteRange, ReadRequest, check_range
 from . import metrics
 from .flushing import SegmentState

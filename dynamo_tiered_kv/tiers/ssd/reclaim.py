@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...codec import ALIGN
+from ...blocks.codec import ALIGN
 from ...errors import TierUnavailable
 from . import metrics
 from .flushing import SegmentState

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..._fileio import fsync_dir
-from ...codec import ALIGN, MAGIC, align_up, decode_header, verify_record
+from ...blocks.codec import ALIGN, MAGIC, align_up, decode_header, verify_record
 from ...errors import RecordError
+from .._fileio import fsync_dir
 from . import metrics
 from .quarantine import is_regular, open_regular, quarantine, read_regular
 from .segment import (

@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from ...codec import ALIGN, align_up
-from ...keys import KEY_BYTES
+from ...blocks.codec import ALIGN, align_up
+from ...blocks.keys import KEY_BYTES
 from .quarantine import read_regular
 
 SEG_MAGIC = b"DTKVSEG\x00"

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ...codec import ALIGN
+from ...blocks.codec import ALIGN
+from ...blocks.keys import KEY_BYTES, BlockKey
 from ...errors import PartialWrite, TierFull, TierUnavailable
-from ...keys import KEY_BYTES, BlockKey
 from ..base import Tier, TierCapabilities, TierUsage
 from ..segments import SealedSegment
 from . import metrics

@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from ..._fileio import fsync_dir
+from .._fileio import fsync_dir
 from .quarantine import open_regular, read_regular
 from .segment import TOMBSTONE, TOMBSTONE_FILE, append_tombstones, pack_tombstone, parse_tombstones, segment_name
 

@@ -1,0 +1,135 @@
+"""Records built and verified in device memory, for GPU-direct transfers to and from the SSD.
+
+Same byte format as ``codec`` (docs/FORMAT.md), produced where the KV lives so GPUDirect Storage
+can write a record straight from GPU memory and read it straight back: payloads are gathered by
+``kernels.gather_records``, each layer's XXH3-64 is computed on the device
+(``kernels.xxh3_64_rows``), and only the small headers cross to the host, where they are built
+and parsed by the same code as the host path.
+
+Verification before use is the same contract as ``codec.decode_blocks``: a record whose header,
+identity or any layer checksum is wrong is reported and never scattered into the engine; the
+others are.
+
+Every function works on any torch device. CPU tensors are how CI exercises it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ..errors import ChecksumMismatch, RecordError
+from ..staging.device_slabs import synchronize
+from .codec import (
+    _check_block_ids,
+    _check_identity,
+    _write_header,
+    decode_header,
+    header_bytes,
+    record_bytes,
+)
+from .keys import KEY_BYTES
+from .layout import EngineLayout
+
+
+def _engine_views(layout: EngineLayout) -> list[torch.Tensor]:
+    return [v if isinstance(v, torch.Tensor) else torch.from_numpy(v) for v in layout.layer_views]
+
+
+def _records(buf: torch.Tensor, n: int, rb: int) -> torch.Tensor:
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+        raise ValueError("device record buffer must be a contiguous 1-D uint8 tensor")
+    if buf.numel() < n * rb:
+        raise ValueError(f"buffer holds {buf.numel()} bytes, {n} records need {n * rb}")
+    return buf[: n * rb].view(n, rb)
+
+
+def _layer_sums(recs: torch.Tensor, hb: int, nl: int, lb: int) -> np.ndarray:
+    """Per-record, per-layer XXH3-64 of the payloads, computed on the records' device -> host [n, nl] u64."""
+    from ..kernels import xxh3_64_rows
+
+    rows = recs[:, hb : hb + nl * lb].unflatten(1, (nl, lb)).flatten(0, 1)  # a view: one row per layer
+    return xxh3_64_rows(rows).cpu().numpy().view(np.uint64).reshape(recs.shape[0], nl)
+
+
+def encode_blocks_on_device(
+    layout: EngineLayout,
+    block_ids: Sequence[int],
+    namespaces: Sequence[bytes],
+    keys: Sequence[bytes],
+    parents: Sequence[bytes],
+    out: torch.Tensor,
+) -> int:
+    """Encode engine blocks back to back into ``out`` (device memory). Returns the bytes written.
+
+    Returns once the records are complete in ``out`` (an event on this thread's stream), so the
+    engine may reuse its blocks and a GDS write may start.
+    """
+    from ..kernels import gather_records
+
+    shape = layout.shape
+    n, nl, lb = len(block_ids), shape.num_layers, shape.layer_bytes
+    rb, hb = record_bytes(shape), header_bytes(nl)
+    if not (len(namespaces) == len(keys) == len(parents) == n):
+        raise ValueError("block_ids, namespaces, keys and parents must have the same length")
+    if n == 0:
+        return 0
+    _check_block_ids(layout, block_ids)
+    recs = _records(out, n, rb)
+    ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+    gather_records(_engine_views(layout), ids, out, record_bytes=rb, header_bytes=hb, layer_bytes=lb)
+    recs[:, hb + shape.payload_bytes :].zero_()  # deterministic padding
+    sums = _layer_sums(recs, hb, nl, lb)  # waits for the gather: the sums are copied to the host
+    heads = np.zeros((n, hb), np.uint8)
+    for i in range(n):
+        _write_header(heads[i], shape, layout.kind, namespaces[i], keys[i], parents[i], sums[i])
+    recs[:, :hb].copy_(torch.from_numpy(heads))
+    synchronize(out.device)
+    return n * rb
+
+
+def decode_blocks_on_device(
+    records: torch.Tensor, layout: EngineLayout, block_ids: Sequence[int], *, namespace: bytes, keys: Sequence[bytes]
+) -> list[RecordError | None]:
+    """Verify records laid back to back in ``records`` (device memory) and scatter the good ones.
+
+    Returns one entry per record: None if it was verified and copied into ``block_ids[i]``, else
+    the ``RecordError`` that rejected it (nothing of a rejected record reaches the engine).
+    """
+    from ..kernels import scatter_records
+
+    shape = layout.shape
+    n, nl, lb = len(block_ids), shape.num_layers, shape.layer_bytes
+    rb, hb = record_bytes(shape), header_bytes(nl)
+    if len(keys) != n:
+        raise ValueError("block_ids and keys must have the same length")
+    if len(namespace) != KEY_BYTES or any(len(k) != KEY_BYTES for k in keys):
+        raise ValueError("namespace digest and keys must each be 16 bytes")
+    if n == 0:
+        return []
+    _check_block_ids(layout, block_ids)
+    recs = _records(records, n, rb)
+    heads = recs[:, :hb].cpu().numpy()
+    sums = _layer_sums(recs, hb, nl, lb)
+    errors: list[RecordError | None] = [None] * n
+    for i in range(n):
+        try:
+            hdr = decode_header(heads[i])
+            _check_identity(hdr, namespace, keys[i], shape)
+        except RecordError as e:
+            errors[i] = e
+            continue
+        bad = np.flatnonzero(np.asarray(hdr.layer_sums, dtype=np.uint64) != sums[i])
+        if bad.size:
+            errors[i] = ChecksumMismatch(f"layer {int(bad[0])} payload checksum mismatch (key {keys[i].hex()})")
+    good = [i for i in range(n) if errors[i] is None]
+    if good:
+        src = recs if len(good) == n else recs[torch.as_tensor(good, device=recs.device)]
+        ids = torch.as_tensor([block_ids[i] for i in good], dtype=torch.int64)
+        scatter_records(src.reshape(-1), _engine_views(layout), ids, record_bytes=rb, header_bytes=hb,
+                        layer_bytes=lb)
+        synchronize(records.device)  # this stream's scatter only, not the whole device
+    return errors
+

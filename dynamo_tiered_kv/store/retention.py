@@ -1,0 +1,311 @@
+"""``TieredStore``'s retention API: retain, prefetch, demote, expire (a mixin, ``RetentionOps``).
+
+* ``retain(keys, retention, holder=...)``: the holder claims a retention class for blocks in
+  every tier (``policy/retention.py``: others can only raise a block's class, a holder lowers or
+  releases only its own claim); a block may be retained before it is written (a request's
+  hints arrive before its KV). The store's own TTL sweep spares protected blocks, so a hint's
+  duration (up to 30 days) outlives a tier's default TTL.
+* ``prefetch(keys)``: bring the leading present blocks up into the host tier ahead of the
+  request. A bounded low-priority queue on the loop: a full queue drops the request (counted);
+  a job takes a staging slab only when one is free now and otherwise waits, so restores a
+  request is waiting on always go first; it never makes room by evicting protected blocks (it
+  counts every retained block's bytes as taken, present in the target tier or not, except the
+  blocks it brings: a bound that costs one lookup per block of the job, not per retained block).
+* ``demote(keys, holder=...)``: a session is done for now: the holder's claims are released,
+  and its host blocks that no holder protects any more go down to the next written tier
+  (written there first if missing) and leave the host tier; a block another holder still
+  protects stays where it is.
+* ``expire(now)``: one GC pass: blocks whose retention expired leave every tier, byte-bounded
+  (the object tier also drops objects past their TTL, ``tiers/objectstore/expiry.py``). A tier
+  gets each batch as one ``delete_many``; the SSD tier then frees the records' disk bytes and,
+  at the end of the pass, seals its open segment if expired records lie in it, so no byte of
+  an expired block is left on disk after the pass (``tiers/ssd/reclaim.py``).
+
+Threads: ``retain`` runs on the caller's thread (the retention tables have their own locks);
+``prefetch``/``demote`` queue work on the loop; ``expire`` runs on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..blocks.keys import BlockKey
+from ..policy.retention import ANONYMOUS, Holder, RetentionClasses
+from ..tiers.base import ReadRequest, Tier
+
+if TYPE_CHECKING:
+    from ..hints.plan import BlockRetention
+    from ..policy.admission import Retention
+    from ..staging.slabs import StagingPool
+    from .metrics import StoreMetrics
+
+log = logging.getLogger(__name__)
+
+#: prefetch jobs waiting on the loop at most; more are dropped (a hint is advice)
+PREFETCH_QUEUE = 64
+#: how long a prefetch job waits for a free staging slab before it gives up
+PREFETCH_SLAB_WAIT_S = 5.0
+
+
+@dataclass
+class PrefetchStats:
+    queued: int = 0
+    dropped: int = 0  # queue full
+    blocks: int = 0  # promoted into the target tier
+    bytes: int = 0
+    stopped_protected: int = 0  # jobs cut short: the rest would have evicted protected blocks
+    gave_up: int = 0  # no staging slab came free in time
+
+
+@dataclass
+class ExpireStats:
+    """One ``expire`` pass: blocks and bytes dropped per tier name."""
+
+    blocks: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+
+
+class RetentionOps:
+    """Mixin of ``TieredStore`` (module docstring). The attributes below are the store's."""
+
+    tiers: list[Tier]
+    staging: StagingPool
+    metrics: StoreMetrics
+    write_depth: int
+    _ttl: list[Retention]
+    _loop: asyncio.AbstractEventLoop
+    _bg_tasks: list[asyncio.Task]
+    _call: Callable[..., Any]
+    _write_tier: Callable[..., Any]
+    _tell: Callable[..., None]
+
+    def _init_retention(self, max_share: float, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.prefetch_stats = PrefetchStats()
+        self._prefetch_q: asyncio.Queue[tuple[list[BlockKey], int]] | None = None
+        self._record_nbytes = 0  # typical record size, for blocks retained before they are written
+        for ti, t in enumerate(self.tiers):
+            cls = RetentionClasses(t.usage().capacity_bytes, max_share=max_share, clock=clock, tier=t.name)
+            t.retention = cls  # type: ignore[attr-defined]  # read by each tier's eviction
+            self._ttl[ti].keep = cls.protected  # the TTL sweep spares protected blocks
+
+    def retention_of(self, ti: int) -> RetentionClasses:
+        return self.tiers[ti].retention  # type: ignore[attr-defined,no-any-return]
+
+    # --- retain ---------------------------------------------------------------------------------
+    def retain(self, keys: Sequence[BlockKey], retention: BlockRetention | Sequence[BlockRetention], *,
+               holder: Holder = ANONYMOUS) -> int:
+        """``holder`` claims a retention class for ``keys`` in every tier (one for all, or one per
+        key; priority 0 releases this holder's claim only). Returns how many keys are protected
+        afterwards in the fastest tier (by any holder)."""
+        per_key = retention if isinstance(retention, Sequence) else [retention] * len(keys)
+        if len(per_key) != len(keys):
+            raise ValueError("one retention per key, or one for all")
+        kept = 0
+        for key, r in zip(keys, per_key):
+            size = next((n for t in self.tiers if (n := t.size_of(key)) is not None), self._record_nbytes)
+            for ti in range(len(self.tiers)):
+                ok = self.retention_of(ti).set(key, r.priority, r.expiry, size, holder)
+                kept += ok and ti == 0
+        return kept
+
+    def note_record_bytes(self, nbytes: int) -> None:
+        """The size of one record (blocks retained before they exist count this much)."""
+        self._record_nbytes = nbytes
+
+    # --- prefetch -------------------------------------------------------------------------------
+    def prefetch(self, keys: Sequence[BlockKey], *, into: int = 0) -> None:
+        """Queue promotion of the leading present ``keys`` into tier ``into``; never waits (a full
+        queue drops it, ``prefetch_stats.dropped``)."""
+        keys = list(keys)
+        try:
+            self._loop.call_soon_threadsafe(self._enqueue_prefetch, keys, into)
+        except RuntimeError:  # the store closed
+            self.prefetch_stats.dropped += 1
+
+    def _enqueue_prefetch(self, keys: list[BlockKey], into: int) -> bool:
+        if self._prefetch_q is None:
+            self._prefetch_q = asyncio.Queue(PREFETCH_QUEUE)
+            self._bg_tasks.append(asyncio.ensure_future(self._prefetch_worker()))  # stopped on close
+        try:
+            self._prefetch_q.put_nowait((keys, into))
+        except asyncio.QueueFull:
+            self.prefetch_stats.dropped += 1
+            return False
+        self.prefetch_stats.queued += 1
+        return True
+
+    def prefetch_now(self, keys: Sequence[BlockKey], *, into: int = 0, timeout: float = 60.0) -> int:
+        """Promote synchronously (tests, tools); returns blocks promoted."""
+        return int(self._call(self._prefetch(list(keys), into), timeout=timeout))
+
+    async def _prefetch_worker(self) -> None:
+        assert self._prefetch_q is not None
+        while True:
+            keys, into = await self._prefetch_q.get()
+            try:
+                await self._prefetch(keys, into)
+            except Exception:
+                log.exception("prefetch of %d blocks failed", len(keys))
+
+    async def _prefetch(self, keys: list[BlockKey], into: int) -> int:
+        target = self.tiers[into]
+        cls = self.retention_of(into)
+        cap = target.usage().capacity_bytes
+        todo: list[tuple[BlockKey, int, int]] = []  # (key, source tier, size)
+        for key in keys:
+            src = next((ti for ti, t in enumerate(self.tiers) if t.contains(key)), None)
+            if src is None:
+                break  # a prefix: nothing after a missing block can be served
+            if src <= into:
+                continue
+            size = self.tiers[src].size_of(key)
+            if size is None:
+                break
+            todo.append((key, src, size))
+        # room that needs no protected block to go: capacity less every retained block's bytes
+        # (an upper bound on those the target holds; the table keeps the sum, so this costs one
+        # lookup per block here, not one per retained block), except the blocks brought now
+        room = cap - cls.protected_bytes + sum(r.nbytes for key, _, _ in todo if (r := cls.get(key)) is not None)
+        done = 0
+        used = 0
+        while todo:
+            slab = await self._free_slab()
+            if slab is None:
+                self.prefetch_stats.gave_up += 1
+                return done
+            try:
+                batch: list[tuple[BlockKey, int, int]] = []
+                pos = 0
+                while todo and pos + todo[0][2] <= slab.nbytes and todo[0][1] == (batch[0][1] if batch else todo[0][1]):
+                    batch.append(todo.pop(0))
+                    pos += batch[-1][2]
+                if not batch:
+                    return done
+                if used + pos > room:
+                    self.prefetch_stats.stopped_protected += 1
+                    return done
+                views, off = [], 0
+                for _, _, n in batch:
+                    views.append(slab.view[off:off + n])
+                    off += n
+                got = await self.tiers[batch[0][1]].read_many([ReadRequest(k, v) for (k, _, _), v in zip(batch, views)])
+                ok = []
+                for (k, _, n), v, g in zip(batch, views, got):
+                    if g != n:
+                        break
+                    ok.append((k, v))
+                if ok:
+                    await self._write_tier(into, ok)
+                    done += len(ok)
+                    used += sum(v.nbytes for _, v in ok)
+                    self.prefetch_stats.blocks += len(ok)
+                    self.prefetch_stats.bytes += sum(v.nbytes for _, v in ok)
+                if len(ok) < len(batch):
+                    return done
+            finally:
+                self.staging.release(slab)
+            await asyncio.sleep(0)  # let restores run between chunks
+        return done
+
+    async def _free_slab(self) -> Any:
+        """A staging slab only when one is free (restores go first); None after the wait bound."""
+        end = time.monotonic() + PREFETCH_SLAB_WAIT_S
+        while True:
+            slab = self.staging.try_acquire(0)
+            if slab is not None or time.monotonic() >= end:
+                return slab
+            await asyncio.sleep(0.005)
+
+    # --- demote ---------------------------------------------------------------------------------
+    def demote(self, keys: Sequence[BlockKey], *, holder: Holder = ANONYMOUS, wait: bool = True) -> int:
+        """Release ``holder``'s claims on ``keys`` in every tier and move the host blocks no holder
+        protects any more to the next tier (a block another holder protects stays). Returns how
+        many left the host tier (``wait=False``: queued on the loop, returns 0 at once)."""
+        for ti in range(len(self.tiers)):
+            self.retention_of(ti).release(keys, holder)
+        if len(self.tiers) < 2 or self.tiers[0].capabilities.medium != "host":
+            return 0
+        if not wait:
+            coro = self._demote(list(keys))
+            try:
+                asyncio.run_coroutine_threadsafe(coro, self._loop)
+            except RuntimeError:  # the store closed
+                coro.close()
+            return 0
+        return int(self._call(self._demote(list(keys)), timeout=60.0))
+
+    async def _demote(self, keys: list[BlockKey]) -> int:
+        host, down = self.tiers[0], self.tiers[1]
+        moved = 0
+        slab = await self._free_slab()
+        if slab is None:
+            return 0
+        try:
+            held = self.retention_of(0)  # read now: a claim made since the release keeps its block here
+            todo = [k for k in keys if host.contains(k) and not held.protected(k)]
+            i = 0
+            while i < len(todo):
+                batch, pos = [], 0
+                while i < len(todo) and (n := host.size_of(todo[i])) is not None and pos + n <= slab.nbytes:
+                    batch.append((todo[i], pos, n))
+                    pos += n
+                    i += 1
+                if not batch:
+                    break
+                missing = [(k, slab.view[o:o + n]) for k, o, n in batch if not down.contains(k)]
+                got = await host.read_many([ReadRequest(k, v) for k, v in missing])
+                items = [(k, v) for (k, v), g in zip(missing, got) if g == v.nbytes]
+                if items:
+                    await self._write_tier(1, items)
+                gone = [k for k, _, _ in batch if down.contains(k) and await host.delete(k)]
+                self._ttl[0].forget(gone)
+                self._tell(0, gone, stored=False)
+                moved += len(gone)
+        finally:
+            self.staging.release(slab)
+        return moved
+
+    # --- expire ---------------------------------------------------------------------------------
+    def expire(self, now: float | None = None, max_bytes: int = 1 << 30) -> ExpireStats:
+        """One GC pass (module docstring); synchronous."""
+        return self._call(self._expire(now, max_bytes), timeout=120.0)  # type: ignore[no-any-return]
+
+    async def _expire(self, now: float | None, max_bytes: int) -> ExpireStats:
+        out = ExpireStats()
+        for ti, tier in enumerate(self.tiers):
+            cls = self.retention_of(ti)
+            when = cls.clock() if now is None else now
+            if tier.capabilities.medium == "object":
+                from ..tiers.objectstore.expiry import expire_pass
+
+                rep = await expire_pass(tier, now=when, max_bytes=max_bytes)  # type: ignore[arg-type]
+                out.blocks[tier.name], out.bytes[tier.name] = rep.blocks, rep.bytes
+                continue
+            blocks = nbytes = 0
+            while nbytes < max_bytes:
+                batch = cls.expired(when, 256)
+                if not batch:
+                    break
+                sizes = {key: n for key, _ in batch if (n := tier.size_of(key)) is not None}
+                if not sizes:
+                    continue
+                try:  # one batch: the SSD tier appends (and syncs) its tombstones once and frees the bytes
+                    blocks += await tier.delete_many(list(sizes))
+                except Exception as e:
+                    log.warning("expiry delete from tier %s failed: %s", tier.name, e)
+                    continue
+                gone = [key for key in sizes if not tier.contains(key)]
+                nbytes += sum(sizes[key] for key in gone)
+                self._ttl[ti].forget(gone)
+                self._tell(ti, gone, stored=False)
+            seal_deleted = getattr(tier, "seal_deleted", None)  # the SSD tier's open segment: free it too
+            if blocks and seal_deleted is not None:
+                await seal_deleted()
+            out.blocks[tier.name], out.bytes[tier.name] = blocks, nbytes
+        return out

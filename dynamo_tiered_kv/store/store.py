@@ -1,0 +1,504 @@
+"""``TieredStore``: lookup, offload and onboard of KV blocks across tiers (fast -> slow).
+
+The offload path is ``store.writes``, the load pipeline ``store.reads.pipeline``, the retention API
+``store.retention`` (mixins of ``TieredStore``); this module holds the store's loop, its lifecycle
+and the engine-facing entry points.
+
+Threads and ownership
+---------------------
+The store is the one component that owns an asyncio event loop: it runs on a private daemon
+thread (``dtkv-store``), tiers' coroutines and background tasks (the flusher) run there. Engine
+threads only use the synchronous facade:
+
+* ``lookup`` reads the tiers' in-memory indexes (``Tier.contains``): no I/O, no await.
+* ``submit_offload`` never waits: it takes a staging slab with ``try_acquire(0)``, gathers and
+  encodes the blocks into it (memcpy speed; the engine may overwrite its blocks as soon as we
+  return, so the copy cannot be deferred), and hands the slab to the loop. A full queue or an
+  empty staging pool drops the batch and counts it (architecture rule 1).
+* ``load`` is called when the engine must wait anyway (or from a background loader thread): the
+  loop reads records into slabs, several chunks ahead, and the *calling* thread verifies each
+  record and scatters it into the engine (host-tier records straight from the arena). Scattering
+  on the caller's thread means a timed-out load can never write into engine blocks later; an
+  abandoned read releases its slab itself when the tier returns. ``LoadResult.stages`` says where
+  the time went (``dtkv_restore_stage_seconds``).
+
+Shared state of the store itself, and who touches it:
+
+* ``_pending`` (offload batches and promotions not yet written): engine threads, loading threads
+  and the loop; behind ``_pending_lock`` (``_idle`` waits on it).
+* ``_tasks``, ``_bg_tasks`` and the read gates (``store.reads.pipeline``): the loop thread only.
+* ``_ttl`` (``policy.admission.Retention`` per tier): the loop and tiers' writer threads (eviction hooks);
+  each has its own lock. ``admission`` (``policy.admission.Admission``): engine and loading threads; its lock.
+* The periodic passes run as tasks on the loop, never on an engine thread: the TTL sweep, and
+  every ``expire_interval_s`` one expiry pass (``expire``: retained blocks whose expiry passed
+  leave every tier, at most ``EXPIRE_PASS_BYTES`` per pass), so nobody has to call ``expire``.
+* ``_residency`` and the tiers' hooks: replaced whole by ``set_residency`` (hooks are immutable).
+* ``_closed``: set once, under ``_close_lock``; read anywhere (a late engine call is dropped).
+* ``_condemned`` (records that failed verification, until their delete is done): marked by the
+  loading thread, cleared by the loop; single dict operations only (atomic under the GIL).
+
+A store that is never closed is closed at process exit by ``lifecycle`` (before Python stops its
+thread pools), within ``exit_timeout_s``; ``close`` and ``close_by`` are idempotent and thread-safe.
+
+Writes go to the first ``write_depth`` tiers (host, SSD); slower tiers (objects) are fed by
+background tasks such as the segment flusher. The host tier admits every block; lower written
+tiers follow the admission policy. Loaded blocks are promoted into faster tiers off the caller's
+thread, reusing the slab they were read into.
+
+GPU-direct (``staging.device_slabs``, an SSD tier with ``device_io``): a batch whose every target tier
+moves records straight from device memory (GDS) is encoded on the device into a device slab,
+and a load chunk whose every block's fastest tier is such a tier is read into a device slab and
+verified and scattered there; no host copy either way. Everything else, and everything after a
+GPU-direct failure (the tier detaches its path), takes the host slabs. Blocks loaded GPU-direct
+are not promoted: the host tier is for blocks that come from the GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..blocks.keys import BlockKey, Namespace
+from ..blocks.layout import EngineLayout
+from ..policy.admission import Admission, AdmissionPolicy, Retention
+from ..policy.pacing import Pacer
+from ..policy.residency import ResidencyListener, install, medium_of, notify
+from ..staging.device_slabs import DeviceStagingPool
+from ..staging.slabs import StagingPool
+from ..tiers.base import Tier
+from . import lifecycle
+from .lifecycle import Background
+from .metrics import StoreMetrics
+from .reads.pipeline import ChunkReads, LoadStages
+from .retention import RetentionOps
+from .writes import OffloadWrites, check_block_ids
+
+log = logging.getLogger("dynamo_tiered_kv.store")  # the store's logger, shared by its modules
+
+#: bytes one periodic expiry pass frees at most; the next pass continues
+EXPIRE_PASS_BYTES = 1 << 30
+
+__all__ = ["Background", "LoadResult", "LoadStages", "LookupResult", "TieredStore"]
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """Longest restorable prefix: ``num_blocks`` leading keys, and the fastest tier of each."""
+
+    num_blocks: int
+    tier_per_block: tuple[str, ...] = ()
+
+
+@dataclass
+class LoadResult:
+    """Engine block ids restored (verified and scattered) and those the engine must recompute.
+
+    Failures form a suffix: after the first failed block every later block is reported failed,
+    since the engine recomputes a prefix from its first missing block on.
+    """
+
+    loaded_block_ids: list[int] = field(default_factory=list)
+    failed_block_ids: list[int] = field(default_factory=list)
+    tier_per_block: list[str] = field(default_factory=list)  # source tier of each loaded block
+    stages: LoadStages = field(default_factory=LoadStages)  # where the time went (store_reads.LoadStages)
+
+
+def _block_count(tier: Tier) -> Callable[[], int]:
+    """How many blocks ``tier`` holds now (its in-memory index), for bounding retention tracking."""
+    return lambda: tier.usage().num_blocks
+
+
+class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
+    """Tiered KV block store with a synchronous, never-blocking engine facade.
+
+    Args:
+        tiers: fastest first (host, SSD, objects). Each is opened on the store's loop.
+        namespace: identity written into and checked against every record.
+        staging: slabs used for every transfer; the pool bounds memory and in-flight work.
+        admission: ``"always"``, ``"second_hit"`` or an ``Admission`` instance.
+        min_prefix_blocks: used when ``admission`` is a policy name.
+        max_pending_offloads: offload batches queued on the loop before new ones are dropped.
+        write_depth: how many leading tiers the store writes itself (default: host and the next).
+        ttl_s: retention per tier (None = no expiry), applied to blocks this store wrote.
+        background: long-running tasks started on the loop and stopped on ``close``.
+        metrics_port: serve Prometheus metrics on this port (None = off, 0 = any free port); a busy
+            port never fails the store (see ``StoreMetrics.serve``).
+        close_flush_timeout_s: how long ``close`` lets write-back (SSD -> objects) finish.
+        exit_timeout_s: bound on closing at process exit when nobody called ``close`` (``lifecycle``).
+        load_chunk_bytes: a load reads and verifies in chunks of about this size, overlapped.
+        load_first_chunk_bytes: size of a load's first chunk (small: verify+scatter starts early).
+        load_depth: chunks of one load read ahead at most (each takes a staging slab while free).
+        device_staging: device slabs for GPU-direct transfers to tiers that have ``device_io``.
+        on_residency: told which blocks each tier stores and drops (``residency``; KV events).
+        retain_max_share: share of each tier retention classes may protect (``store.retention``).
+        expire_interval_s: seconds between the loop's expiry passes (``expire``); 0 turns them off.
+        clock: the clock retention expiries are measured on (injected by tests and benchmarks).
+    """
+
+    def __init__(self, tiers: Sequence[Tier], namespace: Namespace, staging: StagingPool, *,
+                 admission: AdmissionPolicy | Admission = "always", min_prefix_blocks: int = 1,
+                 max_pending_offloads: int = 64, write_depth: int = 2,
+                 ttl_s: Sequence[float | None] | None = None, background: Sequence[Background] = (),
+                 metrics_port: int | None = None, sweep_interval_s: float = 5.0,
+                 close_flush_timeout_s: float = 30.0, load_chunk_bytes: int = 8 << 20,
+                 device_staging: DeviceStagingPool | None = None, exit_timeout_s: float = 10.0,
+                 load_first_chunk_bytes: int = 1 << 20, load_depth: int = 4,
+                 on_residency: ResidencyListener | None = None, retain_max_share: float = 0.5,
+                 expire_interval_s: float = 300.0, clock: Callable[[], float] = time.time) -> None:
+        if not tiers:
+            raise ValueError("TieredStore needs at least one tier")
+        if not expire_interval_s >= 0:  # NaN too
+            raise ValueError(f"expire_interval_s must be >= 0 (0: off), got {expire_interval_s}")
+        self.tiers = list(tiers)
+        self.namespace = namespace
+        self.staging = staging
+        self.device_staging = device_staging
+        self.admission = admission if isinstance(admission, Admission) else Admission(admission,
+                                                                                       min_prefix_blocks)
+        self.max_pending_offloads = max_pending_offloads
+        self.write_depth = max(1, min(write_depth, len(self.tiers)))
+        ttls = list(ttl_s or [])
+        self._ttl = [Retention(ttls[i] if i < len(ttls) else None, t.contains, _block_count(t))
+                     for i, t in enumerate(self.tiers)]
+        self._init_retention(retain_max_share, clock)
+        self.metrics = StoreMetrics(self.tiers)
+        self.metrics_port = self.metrics.serve(metrics_port) if metrics_port is not None else None
+        self._ns_digest = namespace.digest
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+        self._idle = threading.Condition(self._pending_lock)
+        self._closed = False
+        self._close_lock = threading.Lock()
+        #: (tier, key) of records that failed verification whose delete is not done: gone for
+        #: lookups, loads and offloads at once; set when the delete is done (``_condemn``)
+        self._condemned: dict[tuple[int, BlockKey], asyncio.Event] = {}
+        self.exit_timeout_s = exit_timeout_s
+        self._sweep_interval_s = sweep_interval_s
+        self._expire_interval_s = expire_interval_s
+        self.expire_passes = 0  # periodic passes done (the loop writes it)
+        self._close_flush_timeout_s = close_flush_timeout_s
+        self.load_chunk_bytes = load_chunk_bytes
+        self.load_first_chunk_bytes = load_first_chunk_bytes
+        self.load_depth = max(1, load_depth)
+        self._background = list(background)
+        self.set_residency(on_residency)
+        self._bg_tasks: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="dtkv-store", daemon=True)
+        self._thread.start()
+        self._call(self._start(), timeout=120)
+        lifecycle.track(self)  # a process that ends without close() still drains, seals, hands over
+
+    # --- lifecycle -----------------------------------------------------------------------
+    async def _start(self) -> None:
+        for t in self.tiers:
+            await t.open()
+        for b in self._background:
+            self._bg_tasks.append(asyncio.ensure_future(lifecycle.run_background(b)))
+        if any(t.ttl_s is not None for t in self._ttl):
+            self._bg_tasks.append(asyncio.ensure_future(self._sweep_forever()))
+        if self._expire_interval_s > 0:
+            self._bg_tasks.append(asyncio.create_task(self._expire_forever(), name="dtkv-expire"))
+
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Drain queued offloads (up to ``timeout``), seal open segments, let write-back finish (up to
+        ``close_flush_timeout_s`` more), stop background tasks, close tiers and the loop.
+        Idempotent and thread-safe (a second caller waits for the first)."""
+        now = time.monotonic()
+        flush_until = now + timeout + self._close_flush_timeout_s
+        self._close(now + timeout, flush_until, flush_until + 10.0)
+
+    def close_by(self, deadline: float) -> None:
+        """Close before ``deadline`` (``time.monotonic()``), as at process exit: accepted offloads get
+        the first 60% of the time, sealing and write-back the next 20% (what is left unflushed stays
+        sealed on the SSD for the next start), stopping and closing tiers the rest."""
+        left = max(0.0, deadline - time.monotonic())
+        self._close(deadline - 0.4 * left, deadline - 0.2 * left, deadline)
+
+    def _close(self, drain_until: float, flush_until: float, end: float) -> None:
+        if not self._close_lock.acquire(timeout=max(0.0, end - time.monotonic())):
+            log.warning("store close still running in another thread; not waiting longer")
+            return
+        try:
+            if self._closed:
+                return
+            lifecycle.untrack(self)
+            if lifecycle.executors_stopped():  # too late to write: recovery seals what reached the SSD
+                log.warning("store closed after Python stopped its thread pools; queued writes may be lost "
+                            "(close the store before interpreter exit)")
+            if not self.drain(max(0.0, drain_until - time.monotonic())):
+                log.warning("%d offload batches still queued at close; they may be lost", self._pending)
+            self._closed = True
+            try:
+                self._call(lifecycle.shut_down(self.tiers, self._background, self._bg_tasks, flush_until, end),
+                           timeout=max(0.1, end - time.monotonic()))
+            except Exception:
+                log.exception("store shutdown did not finish cleanly")
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(max(1.0, end - time.monotonic()))
+            if not self._thread.is_alive():
+                self._loop.close()
+            self.metrics.close()
+        finally:
+            self._close_lock.release()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- lookup ----------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
+        """Longest prefix of ``keys`` held by any tier, with the fastest tier of each block.
+
+        Memory only (``Tier.contains``); safe on the scheduler's hot path.
+        """
+        names: list[str] = []
+        for k in keys:
+            for ti, t in enumerate(self.tiers):
+                if self._holds(ti, k):
+                    names.append(t.name)
+                    break
+            else:
+                self.metrics.lookup_blocks.labels("none").inc()
+                break
+        for name in names:
+            self.metrics.lookup_blocks.labels(name).inc()
+        return LookupResult(len(names), tuple(names))
+
+    def _reserve_pending(self) -> bool:
+        with self._pending_lock:
+            if self._pending >= self.max_pending_offloads:
+                return False
+            self._pending += 1
+            return True
+
+    def _finish_pending(self) -> None:
+        with self._pending_lock:
+            self._pending -= 1
+            if self._pending == 0:
+                self._idle.notify_all()
+
+    def _schedule(self, coro, *, reserved: bool = False) -> None:
+        """Run ``coro`` on the loop; ``drain`` waits for it. ``reserved``: the caller already counted it."""
+        if not reserved:
+            with self._pending_lock:
+                self._pending += 1  # promotions and repairs are never refused: their slab is already ours
+        try:
+            self._loop.call_soon_threadsafe(self._spawn, coro)
+        except RuntimeError:  # the store closed under an engine call in flight: drop the work, never raise
+            coro.close()
+            self._finish_pending()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self._finish_pending()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("store task failed", exc_info=task.exception())
+
+    def set_residency(self, listener: ResidencyListener | None) -> None:
+        """Report to ``listener`` which blocks each tier stores and drops from now on (None: stop)."""
+        self._residency = listener
+        install(self.tiers, listener, [r.forget if r.ttl_s is not None else None for r in self._ttl])
+
+    def _tell(self, ti: int, keys: list[BlockKey], *, stored: bool) -> None:
+        listener, medium = self._residency, medium_of(self.tiers[ti])
+        if listener is not None and medium is not None and keys:
+            notify(listener.stored if stored else listener.removed, medium, keys)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every accepted offload has been written (tests, shutdown)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    flush = drain
+
+    def persist(self, timeout: float = 30.0) -> None:
+        """Drain offloads, then seal open segments and wait for write-back (SSD -> objects).
+
+        For tools, tests and planned shutdowns; ``close`` does the same. Bounded by ``timeout``.
+        """
+        self.drain(timeout)
+        self._call(lifecycle.persist(self.tiers, self._background, time.monotonic() + timeout),
+                   timeout=2 * timeout + 5)
+
+    @property
+    def pending_offloads(self) -> int:
+        return self._pending
+
+    def bookkeeping(self) -> dict[str, int]:
+        """Sizes of the store's own maps (for soak tests and leak hunting): retention entries per
+        tier, admission sightings, tasks on the loop, offload batches pending."""
+        out = {f"retention_{t.name}": len(r) for t, r in zip(self.tiers, self._ttl)}
+        out["admission_keys"] = len(self.admission)
+        out["loop_tasks"] = len(self._tasks)
+        out["pending_offloads"] = self._pending
+        return out
+
+    # --- load ------------------------------------------------------------------------------
+    def load(self, layout: EngineLayout, block_ids: Sequence[int], keys: Sequence[BlockKey],
+             timeout: float | None = 30.0, pacer: Pacer | None = None,
+             decode_threads: int | None = None) -> LoadResult:
+        """Restore ``keys`` into engine blocks ``block_ids``, verifying every record.
+
+        Returns which blocks were restored and which the engine must recompute, and where the time
+        went (``LoadResult.stages``). Never raises for a tier fault, a missing or corrupt record,
+        or a timeout: those blocks (and every block after the first of them) are reported failed.
+        Once it returns, nothing writes into engine memory or a slab for this call any more.
+
+        Any thread but the store's own may call it (the engine's, or a background loader); the
+        verify+scatter runs on the calling thread. Reads are pipelined (``store.reads.pipeline``).
+        ``pacer``: lets the CPU verify+scatter through in slices (``pacing``); None: unpaced.
+        ``decode_threads``: most threads an unpaced CPU verify+scatter may use, the caller's
+        included (None: up to ``store.reads.fanout.WAYS``); 1 keeps it on the calling thread.
+        """
+        if len(block_ids) != len(keys):
+            raise ValueError("block_ids and keys must have the same length")
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("TieredStore.load must not be called on the store's own loop thread")
+        check_block_ids(layout, block_ids)
+        t0 = time.perf_counter()
+        res = LoadResult()
+        self._load_pipelined(layout, block_ids, keys, timeout, res.loaded_block_ids, res.tier_per_block, res.stages,
+                              pacer, decode_threads)
+        res.failed_block_ids = list(block_ids[len(res.loaded_block_ids):])
+        if res.failed_block_ids:
+            self.metrics.load_failed_blocks.inc(len(res.failed_block_ids))
+        res.stages.total_s = time.perf_counter() - t0
+        if block_ids:
+            self.metrics.observe_restore(res.stages)
+        return res
+
+    def _holds(self, ti: int, key: BlockKey) -> bool:
+        """Tier ``ti`` has a record of ``key`` that did not fail verification. Any thread."""
+        # The map is almost always empty: test that first, so a lookup builds no (tier, key)
+        # tuple. Its truth test is one atomic read like the membership test it guards, so a mark
+        # made before this call (``_condemn`` returns only once marked) is still seen.
+        condemned = self._condemned
+        if condemned and (ti, key) in condemned:
+            return False
+        return self.tiers[ti].contains(key)
+
+    def _condemn(self, ti: int, key: BlockKey) -> None:
+        """Tier ``ti``'s record of ``key`` failed verification (loading thread): from now on it is
+        gone for lookups and offloads, and the loop deletes it.
+
+        Marked before this returns, because the engine saves the block it recomputes right after
+        the failed load: were the record still held then, the save would be skipped as a duplicate
+        and the delete would then leave the block stored nowhere. The fresh copy's write waits for
+        the delete (``_write_tier``), so the delete never removes it.
+        """
+        done = asyncio.Event()
+        if self._condemned.setdefault((ti, key), done) is done:  # once per record until deleted
+            self._schedule(self._forget(ti, key, done))
+
+    async def _forget(self, ti: int, key: BlockKey, done: asyncio.Event) -> None:
+        try:
+            if await self.tiers[ti].delete(key):
+                self._ttl[ti].forget([key])
+                self._tell(ti, [key], stored=False)
+        except Exception as e:
+            log.warning("could not delete corrupt block %s from tier %s: %s", key.hex(), self.tiers[ti].name, e)
+        finally:
+            del self._condemned[(ti, key)]
+            done.set()
+
+    def suspend_device(self, timeout: float = 30.0) -> bool:
+        """Before GPU sleep: finish accepted offloads (they may read device slabs), then deregister
+        device memory from every GPU-direct tier. True if every offload finished in ``timeout``.
+        The engine does not step while asleep, so nothing new arrives until ``resume_device``."""
+        drained = self.drain(timeout)
+        for tier in self.tiers:
+            dio = getattr(tier, "device_io", None)
+            if dio is not None:
+                dio.suspend()
+        return drained
+
+    def resume_device(self) -> None:
+        """After wake-up: register the device memory ``suspend_device`` deregistered."""
+        for tier in self.tiers:
+            dio = getattr(tier, "device_io", None)
+            if dio is not None:
+                dio.resume()
+
+    def drop_local(self) -> None:
+        """Forget every block of this node's own tiers (host, SSD) in the background.
+
+        For a weight update: the caller has already moved to keys that can never equal the old
+        ones, so this frees capacity rather than guarding correctness. Shared tiers keep their
+        objects (other nodes may still serve the old weights); TTL and GC expire them.
+        """
+        for ti, tier in enumerate(self.tiers):
+            if not tier.capabilities.shared:
+                self._schedule(self._drop_tier(ti))
+
+    async def _drop_tier(self, ti: int) -> None:
+        tier = self.tiers[ti]
+        try:
+            keys = list(tier.keys())
+            n = await tier.delete_many(keys)
+            self._ttl[ti].forget(keys)
+            self._tell(ti, keys, stored=False)
+            log.info("dropped %d blocks from tier %s (cache reset)", n, tier.name)
+        except Exception as e:
+            log.warning("dropping tier %s after a cache reset failed: %s", tier.name, e)
+
+    # --- retention -----------------------------------------------------------------------------
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._sweep_interval_s)
+            await self.sweep()
+
+    async def sweep(self, now: float | None = None) -> int:
+        """Delete blocks older than their tier's TTL (only those this store wrote). Returns count."""
+        now = time.monotonic() if now is None else now
+        n = 0
+        for ti, ttl in enumerate(self._ttl):
+            gone = []
+            for key in ttl.expired(now):
+                try:
+                    if await self.tiers[ti].delete(key):
+                        gone.append(key)
+                except Exception as e:
+                    log.warning("TTL delete from tier %s failed: %s", self.tiers[ti].name, e)
+            n += len(gone)
+            self._tell(ti, gone, stored=False)
+        return n
+
+    async def _expire_forever(self) -> None:
+        """Every ``expire_interval_s``, one expiry pass on the loop (``expire``), bounded by
+        ``EXPIRE_PASS_BYTES``. A failed pass is logged and the next one runs as planned: a
+        block whose retention passed must not stay forever because one pass hit a tier fault."""
+        while True:
+            await asyncio.sleep(self._expire_interval_s)
+            try:
+                rep = await self._expire(None, EXPIRE_PASS_BYTES)
+            except Exception as e:
+                log.warning("expiry pass failed (the next runs in %.0fs): %s", self._expire_interval_s, e)
+                continue
+            self.expire_passes += 1
+            if any(rep.blocks.values()):
+                log.debug("expiry pass: %s blocks, %s bytes", rep.blocks, rep.bytes)
+
+    def sweep_now(self, now: float | None = None) -> int:
+        """Synchronous ``sweep`` for tests and tools."""
+        return self._call(self.sweep(now), timeout=60)
+

@@ -1,0 +1,15 @@
+"""Small durable-file helpers shared by the SSD and local-directory object tiers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename, a new or removed file) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
