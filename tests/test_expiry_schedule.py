@@ -16,7 +16,7 @@ from dynamo_tiered_kv.blocks.keys import parents_of
 from dynamo_tiered_kv.config import TieredKVConfig
 from dynamo_tiered_kv.factory import build_store
 from dynamo_tiered_kv.hints import BlockRetention
-from dynamo_tiered_kv.policy.retention import RetentionClasses
+from dynamo_tiered_kv.policy.retention import DEFAULT_MAX_SHARE
 from dynamo_tiered_kv.staging.slabs import StagingPool
 from dynamo_tiered_kv.store import TieredStore
 from dynamo_tiered_kv.testing import make_record, random_key
@@ -67,13 +67,13 @@ def test_a_retained_block_expires_in_every_tier_without_a_call_to_expire(pool: S
              ObjectTier(LocalDirBackend(tmp_path / "obj"), capacity_bytes=1 << 30, ttl_s=86400.0)]
     loop_threads: set[str] = set()
     with TieredStore(tiers, NS, pool, write_depth=3, clock=clock, expire_interval_s=0.1) as store:
-        real = store._expire
+        real = store.retention.expire_pass
 
         async def watched(now, max_bytes):  # type: ignore[no-untyped-def]
             loop_threads.add(threading.current_thread().name)
             return await real(now, max_bytes)
 
-        store._expire = watched  # type: ignore[method-assign]
+        store.retention.expire_pass = watched  # type: ignore[method-assign]
         keys, other = keys_for(6), keys_for(4, start=999 * 16)
         store.retain(keys, BlockRetention(50, clock.t + 7200))
         _offload(store, keys)
@@ -93,7 +93,7 @@ def test_interval_zero_turns_the_pass_off_and_a_negative_one_is_refused(pool: St
     clock = Clock()
     host = HostTier(16 * REC, chunk_bytes=REC, pin=False)
     with TieredStore([host], NS, pool, clock=clock, expire_interval_s=0) as store:
-        assert "dtkv-expire" not in {t.get_name() for t in store._bg_tasks}
+        assert "dtkv-expire" not in {t.get_name() for t in store._state.bg_tasks}
         keys = keys_for(2)
         store.retain(keys, BlockRetention(50, clock.t + 60))
         _offload(store, keys)
@@ -133,7 +133,7 @@ class _At:
 
 async def _object_node(root: Path, clock: _At, ttl_s: float = 86400.0) -> ObjectTier:
     tier = ObjectTier(LocalDirBackend(root), ttl_s=ttl_s, refresh_interval_s=None)
-    tier.retention = RetentionClasses(1 << 40, clock=clock, tier="object")
+    tier.configure_retention(max_share=DEFAULT_MAX_SHARE, clock=clock)
     await tier.open()
     assert await tier.wait_ready(30)
     return tier
@@ -158,7 +158,7 @@ async def test_a_nodes_pass_keeps_a_manifest_whose_record_still_retains_its_bloc
     y_clock = _At(t0)
     y = ObjectTier(LocalDirBackend(tmp_path), ttl_s=86400.0 if why == "own_retention_expired" else 10.0,
                    refresh_interval_s=None)
-    y.retention = RetentionClasses(1 << 40, clock=y_clock, tier="object")
+    y.configure_retention(max_share=DEFAULT_MAX_SHARE, clock=y_clock)
     for k, r in zip(keys, recs):
         y.retention.set(k, 40, t0 + 60, len(r))
     await y.open()

@@ -186,7 +186,7 @@ def test_ssd_segment_eviction_tells_the_hook_the_keys_it_dropped(tmp_path) -> No
         t = SSDTier(tmp_path, capacity_bytes=640 << 10, segment_bytes=128 << 10, idle_seal_s=None)
         await t.open()
         heard: list[bytes] = []
-        t.residency_hook = SimpleNamespace(evicted=heard.extend)
+        t.set_residency_hook(SimpleNamespace(evicted=heard.extend))  # type: ignore[arg-type]
         written = []
         try:
             for i in range(60):

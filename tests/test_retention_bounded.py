@@ -102,7 +102,7 @@ async def _pick_cost(path: Path, retained: int, monkeypatch: pytest.MonkeyPatch)
     clock = Clock()
     t = await open_ssd_tier(path, capacity_bytes=400 << 10, segment_bytes=64 << 10, fsync=False)
     try:
-        t.retention = RetentionClasses(1 << 40, max_share=1.0, clock=clock, tier="ssd-pick-test")
+        t.configure_retention(max_share=1.0, clock=clock)
         for i in range(16):  # these are written here (retained before they are written)
             t.retention.set(_k(i), 50, None, CHUNK)
         for i in range(retained - 16):  # blocks retained elsewhere (another tier, not written yet)
@@ -138,7 +138,7 @@ async def test_ssd_segment_ranks_follow_time_and_changes(tmp_path: Path, event: 
     holding block ``k`` is ranked once (a pick), then ``event`` changes its rank."""
     clock = Clock()
     t = await open_ssd_tier(tmp_path, capacity_bytes=100 << 10, segment_bytes=64 << 10, fsync=False)
-    t.retention = RetentionClasses(1 << 40, max_share=1.0, clock=clock, tier="ssd-rank-test")
+    t.configure_retention(max_share=1.0, clock=clock)
     k = _k(999)
     k_seg = 3 if event == "lapsed" else 2  # "lapsed": an older ordinary segment must stay behind it
     segs: dict[int, list[bytes]] = {}

@@ -33,7 +33,7 @@ class Clock:
 
 def _host(blocks: int, clock: Clock, share: float = 0.5) -> HostTier:
     host = HostTier(blocks * CHUNK, chunk_bytes=CHUNK, pin=False)
-    host.retention = RetentionClasses(blocks * CHUNK, max_share=share, clock=clock, tier="host")
+    host.configure_retention(max_share=share, clock=clock)
     return host
 
 
@@ -104,7 +104,7 @@ def _recs(base: int, n: int) -> list[tuple[bytes, bytes]]:
 
 async def _tier(root: Path, clock: Clock, capacity: int = 1 << 40, ttl_s: float | None = 3600.0) -> ObjectTier:
     tier = ObjectTier(LocalDirBackend(root), capacity_bytes=capacity, ttl_s=ttl_s)
-    tier.retention = RetentionClasses(capacity, max_share=0.5, clock=clock, tier="object")
+    tier.configure_retention(max_share=0.5, clock=clock)
     await tier.open()
     await tier.wait_ready()
     return tier

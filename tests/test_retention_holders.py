@@ -171,7 +171,7 @@ def test_forget_drops_every_holders_claim() -> None:
 def test_host_eviction_forgets_every_claim_of_the_block_it_drops() -> None:
     clock = Clock()
     host = HostTier(4 * CHUNK, chunk_bytes=CHUNK, pin=False)
-    host.retention = RetentionClasses(4 * CHUNK, max_share=1.0, clock=clock, tier="host")
+    host.configure_retention(max_share=1.0, clock=clock)
     keys = [_k(10 + i) for i in range(4)]
     for k in keys:
         host.write_sync(k, memoryview(bytes(CHUNK)))

@@ -360,7 +360,7 @@ async def test_the_flusher_is_offered_live_records_only(tmp_path: Path) -> None:
         def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
             return lambda *a, **k: None
 
-    t.residency_hook = Hook()  # type: ignore[assignment]
+    t.set_residency_hook(Hook())  # type: ignore[arg-type]
     t.mark_flushed(first.segment_id)
     assert hook_keys == [items[0][0], items[2][0]]  # residency: only what the object tier got
     await t.close()

@@ -66,7 +66,7 @@ def test_unreported_drops_are_pruned_to_the_tier_block_count(pool: StagingPool,
     monkeypatch.setattr(Retention, "PRUNE_SLACK", 8)
     host = HostTier(16 * REC, chunk_bytes=REC, pin=False)
     with TieredStore([host], NS, pool, ttl_s=[3600.0], sweep_interval_s=3600) as store:
-        host.residency_hook = None  # evictions go unreported
+        host.set_residency_hook(None)  # evictions go unreported
         _write_rounds(store, 40)
         assert store.bookkeeping()["retention_host"] <= 2 * 16 + 8 + 8  # bound + one round written after a prune
 

@@ -11,7 +11,7 @@ The store reports every change of where a block lives to one ``ResidencyListener
 Mediums are the strings Dynamo's KV router maps to its storage tiers (``StorageTier::from_kv_medium``:
 CPU_PINNED -> HostPinned, DISK -> Disk, EXTERNAL -> External), so a listener can put them into
 vLLM ``BlockStored``/``BlockRemoved`` events unchanged. Tiers know nothing of engines or events:
-the store installs a ``TierHook`` on each tier (``tier.residency_hook``), which speaks keys only
+the store installs a ``TierHook`` on each tier (``Tier.set_residency_hook``), which speaks keys only
 and is bound to the tier's medium. Not seen: blocks present at start (SSD recovery), and objects
 that another node's GC or ``fsck`` deletes from the shared tier.
 
@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..blocks.keys import BlockKey
+
+if TYPE_CHECKING:
+    from ..tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +42,9 @@ EXTERNAL = "EXTERNAL"  # router: External (disk weight); sent with locality REMO
 _BY_TIER_MEDIUM = {"host": HOST, "ssd": DISK, "object": EXTERNAL}
 
 
-def medium_of(tier: object) -> str | None:
+def medium_of(tier: Tier) -> str | None:
     """The router medium of ``tier`` (by its ``capabilities.medium``), or None for an unknown kind."""
-    caps = getattr(tier, "capabilities", None)
-    return _BY_TIER_MEDIUM.get(getattr(caps, "medium", ""))
+    return _BY_TIER_MEDIUM.get(tier.capabilities.medium)
 
 
 class ResidencyListener(Protocol):
@@ -91,18 +93,18 @@ def notify(fn: Callable[[str, Sequence[BlockKey]], None], medium: str, keys: Seq
         log.exception("residency listener failed (%s, %d blocks); ignored", medium, len(keys))
 
 
-def install(tiers: Sequence[object], listener: ResidencyListener | None,
+def install(tiers: Sequence[Tier], listener: ResidencyListener | None,
             on_evicted: Sequence[Callable[[Sequence[BlockKey]], None] | None] = ()) -> None:
     """Give each tier a ``residency_hook``: told to ``listener`` (tiers of known medium) and to the
     tier's ``on_evicted[i]`` if any; None when it has neither.
 
     SSD flushes are announced with the medium of the first shared tier, if any.
     """
-    shared = next((medium_of(t) for t in tiers if getattr(getattr(t, "capabilities", None), "shared", False)), None)
+    shared = next((medium_of(t) for t in tiers if t.capabilities.shared), None)
     for i, t in enumerate(tiers):
         m = medium_of(t)
         own = on_evicted[i] if i < len(on_evicted) else None
         if (listener is not None and m is not None) or own is not None:
-            t.residency_hook = TierHook(listener, m, shared, own)  # type: ignore[attr-defined]
-        elif m is not None or hasattr(t, "residency_hook"):
-            t.residency_hook = None  # type: ignore[attr-defined]
+            t.set_residency_hook(TierHook(listener, m, shared, own))
+        else:
+            t.set_residency_hook(None)

@@ -10,7 +10,12 @@ Contract shared by all tiers:
   A missing key is ``None``, not an exception. Faults raise ``TierUnavailable``.
 * ``write_many`` keeps the given order: blocks of one sequence land contiguously where the
   medium has an order (SSD segments), so a prefix restores with one read.
-* Capacity is enforced: a write evicts by the tier's policy or raises ``TierFull``.
+* Capacity is enforced: a write evicts by the tier's policy or raises ``TierFull``. Eviction
+  honours the tier's retention table (``retention``): expired blocks first, unprotected ones
+  (least recently used) next, protected ones last, lowest class first.
+* Everything the store or the flusher uses of a tier is declared here, abstract or with a
+  default; nobody probes a tier for optional members or sets attributes on it. The store
+  configures a tier through methods (``configure_retention``, ``set_residency_hook``).
 
 Only coroutine methods may do I/O; they run blocking work in threads, never on the loop.
 """
@@ -18,14 +23,26 @@ Only coroutine methods may do I/O; they run blocking work in threads, never on t
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Iterator, Sequence
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
 
 from ..blocks.keys import BlockKey
+from ..policy.retention import RetentionClasses
 
 if TYPE_CHECKING:
     from ..staging.device_slabs import DeviceSpan
+    from .segments import SealedSegment
+    from .ssd.gds import DeviceIO
+
+log = logging.getLogger(__name__)
+
+#: expired blocks taken off a retention table per delete batch of ``Tier.expire``
+EXPIRE_STEP = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +79,54 @@ class TierUsage:
     num_blocks: int
 
 
+class ResidencyHook(Protocol):
+    """What a tier tells the store of its own accord (``policy.residency.TierHook``): blocks it
+    dropped (capacity eviction, expiry), and blocks that reached the shared tier (SSD segments
+    marked flushed). Called on the thread that made the change, never under the tier's lock."""
+
+    def evicted(self, keys: Sequence[BlockKey]) -> None: ...
+
+    def flushed(self, keys: Sequence[BlockKey]) -> None: ...
+
+
+@dataclass(frozen=True)
+class TierExpiry:
+    """One ``Tier.expire`` pass: blocks no longer served and their bytes."""
+
+    blocks: int = 0
+    bytes: int = 0
+
+
 class Tier(abc.ABC):
-    """One storage tier. Subclasses implement the abstract methods; batched calls have defaults."""
+    """One storage tier (module docstring). Subclasses implement the abstract methods; every other
+    member has a default that describes a plain tier.
+
+    Threads: index lookups (``contains`` ...) and the read-shape attributes may be read from any
+    thread; coroutines run on the caller's loop; ``configure_retention`` and
+    ``set_residency_hook`` are called by the store before the tier is used (the hook may be
+    replaced later: hooks are immutable, a tier reads its hook once per report).
+    """
 
     name: str = "tier"
     capabilities: TierCapabilities
+
+    # --- how the store shapes reads of this tier (defaults: a plain tier) ------------------
+    #: reads in flight across all loads at most (None: no gate)
+    read_parallelism: int | None = None
+    #: pieces one run is cut into at most when there is no gate
+    max_concurrency: int = 1
+    #: smallest piece a run is cut into (None: the store's default)
+    read_piece_bytes: int | None = None
+    #: piece size for frugal (paced) reads (None: ``read_piece_bytes``)
+    frugal_piece_bytes: int | None = None
+    #: chunk a load from this tier asks for (None: a staging slab)
+    load_chunk_bytes: int | None = None
+    #: whether ``read_slab_now`` reads on the caller's thread (False: it returns None)
+    slab_reads_now: bool = False
+
+    #: state the tier owns, set through ``configure_retention`` / ``set_residency_hook``
+    _retention: RetentionClasses | None = None
+    _residency_hook: ResidencyHook | None = None
 
     # --- in-memory index (no I/O) -------------------------------------------------------
     @abc.abstractmethod
@@ -85,17 +145,72 @@ class Tier(abc.ABC):
     def usage(self) -> TierUsage:
         """Capacity bound and current use."""
 
-    # --- I/O ------------------------------------------------------------------------------
-    @abc.abstractmethod
-    async def read_into(self, key: BlockKey, into: memoryview, byte_range: ByteRange | None = None) -> int | None:
-        """Copy the record (or ``byte_range`` of it) into ``into``; return bytes copied, None if absent.
+    def contains_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """Number of leading keys present (memory only)."""
+        n = 0
+        for k in keys:
+            if not self.contains(k):
+                break
+            n += 1
+        return n
 
-        Raises ValueError if ``into`` is too small or the range exceeds the record.
+    @property
+    def index_ready(self) -> bool:
+        """Whether lookups answer from a complete index (the object tier: after its first listing)."""
+        return True
+
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether records may be verified where the tier keeps them (host memory)."""
+        return False
+
+    @property
+    def device_io(self) -> DeviceIO | None:
+        """GPU-direct I/O for reads and writes of device spans; None: host staging only."""
+        return None
+
+    # --- reads: ``read_many`` is the primitive ----------------------------------------------
+    @abc.abstractmethod
+    async def read_many(self, requests: Sequence[ReadRequest]) -> list[int | None]:
+        """Copy each request's record (or byte range) into its ``into``; per request the bytes
+        copied, None if absent (or unreadable: corrupt bytes are a miss, never served).
+
+        Raises ValueError if a destination is too small or a range exceeds its record.
         """
 
+    async def read_into(self, key: BlockKey, into: memoryview, byte_range: ByteRange | None = None) -> int | None:
+        """``read_many`` of one request."""
+        return (await self.read_many([ReadRequest(key, into, byte_range)]))[0]
+
+    async def read_slab(self, keys: Sequence[BlockKey], dest: np.ndarray, record_bytes: int) -> list[int | None]:
+        """Whole records ``keys[i]`` into ``dest[i * record_bytes:(i + 1) * record_bytes]`` (one host
+        buffer of uint8). A record whose length is not ``record_bytes`` is a miss (None)."""
+        if dest.nbytes < len(keys) * record_bytes:
+            raise ValueError(f"destination holds {dest.nbytes} bytes, {len(keys)} records need "
+                             f"{len(keys) * record_bytes}")
+        flat = dest.reshape(-1).view(np.uint8)
+        want = [i for i, k in enumerate(keys) if self.size_of(k) == record_bytes]
+        got = await self.read_many([ReadRequest(keys[i], memoryview(flat[i * record_bytes:(i + 1) * record_bytes]))
+                                    for i in want])
+        out: list[int | None] = [None] * len(keys)
+        for i, n in zip(want, got):
+            out[i] = n if n == record_bytes else None
+        return out
+
+    def read_slab_now(self, keys: Sequence[BlockKey], dest: np.ndarray, record_bytes: int) -> list[int | None] | None:
+        """``read_slab`` on the calling thread (blocking), where the tier has such a path
+        (``slab_reads_now``); None: it has none, use ``read_slab``."""
+        return None
+
+    # --- writes and deletes -----------------------------------------------------------------
     @abc.abstractmethod
     async def write(self, key: BlockKey, data: memoryview) -> None:
         """Store ``data`` under ``key`` (replacing any previous value). May evict others."""
+
+    async def write_many(self, items: Iterable[tuple[BlockKey, memoryview]]) -> None:
+        """Batched ``write`` in order; backends override to append a run contiguously."""
+        for key, data in items:
+            await self.write(key, data)
 
     @abc.abstractmethod
     async def delete(self, key: BlockKey) -> bool:
@@ -108,29 +223,71 @@ class Tier(abc.ABC):
             n += bool(await self.delete(key))
         return n
 
-    async def read_many(self, requests: Sequence[ReadRequest]) -> list[int | None]:
-        """Batched ``read_into``; backends override to coalesce contiguous runs into one I/O."""
-        return [await self.read_into(r.key, r.into, r.byte_range) for r in requests]
+    # --- retention and residency: owned by the tier, configured by the store ------------------
+    @property
+    def retention(self) -> RetentionClasses:
+        """The tier's retention table; its eviction honours it. Built with the default share
+        bound until ``configure_retention`` replaces it."""
+        if self._retention is None:
+            self._retention = RetentionClasses(self.usage().capacity_bytes, clock=time.time, tier=self.name)
+        return self._retention
 
-    async def write_many(self, items: Iterable[tuple[BlockKey, memoryview]]) -> None:
-        """Batched ``write`` in order; backends override to append a run contiguously."""
-        for key, data in items:
-            await self.write(key, data)
+    def configure_retention(self, *, max_share: float, clock: Callable[[], float]) -> RetentionClasses:
+        """Build the tier's retention table (``max_share`` of its capacity may be protected, expiries
+        measured on ``clock``) and return it. Called by the store once, before the tier is used."""
+        self._retention = RetentionClasses(self.usage().capacity_bytes, max_share=max_share, clock=clock,
+                                           tier=self.name)
+        return self._retention
 
-    def contains_prefix(self, keys: Sequence[BlockKey]) -> int:
-        """Number of leading keys present (memory only)."""
-        n = 0
-        for k in keys:
-            if not self.contains(k):
-                break
-            n += 1
-        return n
+    def set_residency_hook(self, hook: ResidencyHook | None) -> None:
+        """The listener told of blocks the tier drops on its own (capacity eviction, expiry)."""
+        self._residency_hook = hook
 
+    @property
+    def residency_hook(self) -> ResidencyHook | None:
+        """The hook ``set_residency_hook`` installed (None: nobody listens)."""
+        return self._residency_hook
+
+    def _report_evicted(self, keys: Sequence[BlockKey]) -> None:
+        """Tell the residency hook (read once) that ``keys`` left the tier."""
+        hook = self._residency_hook
+        if keys and hook is not None:
+            hook.evicted(keys)
+
+    # --- lifecycle ----------------------------------------------------------------------------
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Recover state (index rebuild). Called once before use."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Flush and release resources. Idempotent."""
+
+    async def seal(self) -> SealedSegment | None:
+        """Make everything written durable and readable by the flusher (the SSD tier seals its
+        open segment and returns it). Idempotent; the default has nothing to seal."""
+        return None
+
+    async def expire(self, now: float, max_bytes: int) -> TierExpiry:
+        """One GC pass: retained blocks whose expiry is at or before ``now`` leave the tier, about
+        ``max_bytes`` at most (whole delete batches). Protected and ordinary blocks stay. The
+        dropped keys are told to the residency hook. A failed delete batch is logged and skipped."""
+        cls = self.retention
+        blocks = nbytes = 0
+        while nbytes < max_bytes:
+            batch = cls.expired(now, EXPIRE_STEP)
+            if not batch:
+                break
+            sizes = {key: n for key, _ in batch if (n := self.size_of(key)) is not None}
+            if not sizes:
+                continue
+            try:
+                blocks += await self.delete_many(list(sizes))
+            except Exception as e:
+                log.warning("expiry delete from tier %s failed: %s", self.name, e)
+                continue
+            gone = [key for key in sizes if not self.contains(key)]
+            nbytes += sum(sizes[key] for key in gone)
+            self._report_evicted(gone)
+        return TierExpiry(blocks, nbytes)
 
     async def __aenter__(self) -> Tier:
         await self.open()

@@ -29,18 +29,13 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..blocks.keys import BlockKey
 from ..errors import TierFull
 from ..staging.slabs import Slab
-from .base import ByteRange, Tier, TierCapabilities, TierUsage, check_range
-
-if TYPE_CHECKING:
-    from ..policy.residency import TierHook
-    from ..policy.retention import RetentionClasses
+from .base import ByteRange, ReadRequest, Tier, TierCapabilities, TierUsage, check_range
 
 DEFAULT_CHUNK_BYTES = 256 * 1024
 
@@ -48,10 +43,6 @@ DEFAULT_CHUNK_BYTES = 256 * 1024
 class HostTier(Tier):
     name = "host"
     capabilities = TierCapabilities(medium="host", durable=False, shared=False)
-    #: set by the store (``residency.install``): told which keys LRU eviction dropped
-    residency_hook: TierHook | None = None
-    #: set by the store: per-block (priority, expiry) eviction honours; None: plain LRU
-    retention: RetentionClasses | None = None
     #: a restore from host memory alone is verified and scattered in place in chunks of up to a
     #: staging slab: there is no read to overlap, and each chunk costs a hand-off to the store's
     #: loop and back (a 15 MiB restore in three chunks waited 2.4-4.6x its memcpy)
@@ -99,6 +90,10 @@ class HostTier(Tier):
     # --- I/O (memory copies; cheap enough to run inline on the loop) --------------------------
     async def read_into(self, key: BlockKey, into: memoryview, byte_range: ByteRange | None = None) -> int | None:
         return self.read_sync(key, into, byte_range)
+
+    async def read_many(self, requests: Sequence[ReadRequest]) -> list[int | None]:
+        # through ``read_into``, so a subclass that changes single reads changes batches too
+        return [await self.read_into(r.key, r.into, r.byte_range) for r in requests]  # type: ignore[arg-type]
 
     def read_sync(self, key: BlockKey, into: memoryview, byte_range: ByteRange | None = None) -> int | None:
         dst = np.frombuffer(into, dtype=np.uint8)
@@ -185,13 +180,12 @@ class HostTier(Tier):
             if self._on_evict is not None:
                 for k in evicted:
                     self._on_evict(k)
-            if evicted and self.residency_hook is not None:
-                self.residency_hook.evicted(evicted)
+            self._report_evicted(evicted)
 
     def _store_locked(self, key: BlockKey, src: np.ndarray, need: int, evicted: list[BlockKey]) -> None:
         self._drop(key)
-        if len(self._free) < need and self.retention is not None:
-            for old, _ in self.retention.expired():  # expired blocks go before any other
+        if len(self._free) < need and self._retention is not None:
+            for old, _ in self._retention.expired():  # expired blocks go before any other
                 if self._drop(old):
                     evicted.append(old)
         while len(self._free) < need:
@@ -200,8 +194,8 @@ class HostTier(Tier):
             old = self._victim_locked()
             self._drop(old)
             evicted.append(old)
-            if self.retention is not None:
-                self.retention.forget([old])
+            if self._retention is not None:
+                self._retention.forget([old])
         chunks = [self._free.pop() for _ in range(need)]
         c = self._chunk
         for i, ch in enumerate(chunks):
@@ -212,7 +206,7 @@ class HostTier(Tier):
 
     def _victim_locked(self) -> BlockKey:
         """The least recently used unprotected key; if every key is protected, the lowest class."""
-        cls = self.retention
+        cls = self._retention
         if cls is None or not len(cls):
             return next(iter(self._index))
         now = cls.clock()

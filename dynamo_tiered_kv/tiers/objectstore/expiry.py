@@ -41,7 +41,7 @@ class ExpiringTier(Protocol):
     """What a pass needs of the object tier (``tier.ObjectTier``), named here so this module
     sits below the tier instead of importing it back."""
 
-    retention: RetentionClasses | None
+    _retention: RetentionClasses | None
     ttl_s: float | None
     backend: ObjectBackend
     _lock: asyncio.Lock
@@ -105,7 +105,7 @@ class ExpireReport:
 
 async def expire_pass(tier: ExpiringTier, *, now: float | None = None, max_bytes: int = 1 << 30) -> ExpireReport:
     """One in-process GC pass over ``tier`` (module docstring); frees at most about ``max_bytes``."""
-    cls = tier.retention
+    cls = tier._retention
     rep = ExpireReport()
     now = (cls.clock() if cls is not None else time.time()) if now is None else now
     async with tier._lock:
@@ -144,7 +144,7 @@ def _expire_objects(tier: ExpiringTier, cat: Catalog, now: float, budget: int, r
     old = np.flatnonzero(live & (v["created"] + tier.ttl_s < now))
     if not len(old):
         return 0
-    ranks = object_ranks(tier.retention, cat) or {}
+    ranks = object_ranks(tier._retention, cat) or {}
     doomed: list[int] = []
     freed = 0
     for i in old[np.argsort(v["created"][old], kind="stable")]:
@@ -156,7 +156,7 @@ def _expire_objects(tier: ExpiringTier, cat: Catalog, now: float, budget: int, r
         if freed >= budget:
             break
     names = [cat.manifest_name(i) for i in doomed]
-    cls = tier.retention
+    cls = tier._retention
     if cls is not None and doomed:  # the tier drops these blocks: every holder's claim goes with them
         gone = set(doomed)
         cls.forget([k for k in cls.retained_keys() if (loc := cat.index.get(k)) is not None and int(loc[0]) in gone])

@@ -39,18 +39,17 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ...blocks.codec import verify_record
 from ...blocks.keys import BlockKey
 from ...errors import NamespaceMismatch, RecordError, TierUnavailable
-from ..base import ByteRange, ReadRequest, Tier, TierCapabilities, TierUsage, check_range
+from ..base import ByteRange, ReadRequest, Tier, TierCapabilities, TierExpiry, TierUsage, check_range
 from ..segments import SegmentEntry
 from .backend import ObjectBackend
 from .catalog import Catalog, Parsed, parse_manifest
-from .expiry import adopt_retention, object_ranks, retained_classes
+from .expiry import adopt_retention, expire_pass, object_ranks, retained_classes
 from .index import release_free_heap
 from .layout import SNAPSHOT_NAME, NamespaceView, manifest_after, ns_prefix
 from .manifest import MANIFEST_DIR, Manifest, ManifestError
@@ -62,9 +61,6 @@ from .snapshot import encode as encode_snapshot
 from .snapshot import fetch as fetch_snapshot
 from .stats import ObjectTierStats
 from .writes import ObjectWrites
-
-if TYPE_CHECKING:
-    from ...policy.retention import RetentionClasses
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +131,6 @@ class ObjectTier(ObjectWrites, Tier):
 
     name = "object"
     capabilities = TierCapabilities(medium="object", durable=True, shared=True)
-    #: set by the store: per-block (priority, expiry); persisted in manifests (``expiry.py``)
-    retention: RetentionClasses | None = None
     #: a restore from this tier reads chunks of up to a staging slab (no small first chunk) and
     #: each run of a chunk with one ranged GET: on HDD-backed S3 a request's latency outweighs the
     #: overlap smaller reads buy, and the chunks read ahead (``load_depth``) keep several GETs in
@@ -315,7 +309,7 @@ class ObjectTier(ObjectWrites, Tier):
                 for data, offset in locs:
                     cat.exclude(key, data, offset)
             self._cat, self._fresh = cat, []
-            adopt_retention(self.retention, cat)
+            adopt_retention(self._retention, cat)
             self._enforce_capacity_locked()
         await asyncio.to_thread(release_free_heap)  # the build's garbage, before it counts as ours
         self._ready.set()
@@ -380,7 +374,7 @@ class ObjectTier(ObjectWrites, Tier):
             else:
                 async with self._lock:
                     cat.add_parsed(got, cutoff=cutoff, root=root)
-                    adopt_retention(self.retention, cat)
+                    adopt_retention(self._retention, cat)
                     self._enforce_capacity_locked()
 
     async def write_snapshot(self) -> bool:
@@ -388,7 +382,7 @@ class ObjectTier(ObjectWrites, Tier):
         if not self._ready.is_set():
             return False
         async with self._lock:
-            snap = self._cat.to_snapshot(retained_classes(self.retention))
+            snap = self._cat.to_snapshot(retained_classes(self._retention))
         raw = await asyncio.to_thread(encode_snapshot, snap)
         await self.backend.put_object(SNAPSHOT_NAME, raw)
         self._since_snapshot = 0
@@ -495,6 +489,13 @@ class ObjectTier(ObjectWrites, Tier):
         self.stats.quarantined += 1
         log.warning("quarantined record %s at %s@%d (%s); dtkv gc resolves it", key.hex(), data, offset, reason)
 
+    async def expire(self, now: float, max_bytes: int) -> TierExpiry:
+        """One in-process GC pass (``expiry.expire_pass``): retained blocks whose expiry passed,
+        objects past the TTL that hold no protected block, and the manifests left without a live
+        block."""
+        rep = await expire_pass(self, now=now, max_bytes=max_bytes)
+        return TierExpiry(rep.blocks, rep.bytes)
+
     async def delete(self, key: BlockKey) -> bool:
         """Stop serving ``key`` on this node; shared objects are never changed.
 
@@ -523,7 +524,7 @@ class ObjectTier(ObjectWrites, Tier):
         cat = self._cat
         if cat.used <= self.capacity_bytes:
             return
-        victims = cat.oldest_until(cat.used - self.capacity_bytes, object_ranks(self.retention, cat))
+        victims = cat.oldest_until(cat.used - self.capacity_bytes, object_ranks(self._retention, cat))
         names = [cat.manifest_name(int(i)) for i in victims]
         cat.forget(victims)
         self.stats.evicted_objects += len(names)

@@ -64,7 +64,7 @@ class ObjectWrites:
     _backend_open: asyncio.Event
     _since_snapshot: int
     _suspect_data: set[str]  # data objects this node found a corrupt record in
-    retention: RetentionClasses | None
+    _retention: RetentionClasses | None
     if TYPE_CHECKING:
         _enforce_capacity_locked: Callable[[], None]
         _spawn: Callable[[Coroutine[Any, Any, Any]], None]
@@ -142,7 +142,7 @@ class ObjectWrites:
         if bypassed is not None:  # newer than the damaged copy's manifests, which it must outrank
             created = max(created, bypassed + 0.001)  # (mtimes may have whole seconds only)
         m = Manifest(dname, size, created, entries, origin,
-                     retain_field(self.retention, [e.key for e in entries]))  # optional: retained blocks
+                     retain_field(self._retention, [e.key for e in entries]))  # optional: retained blocks
         await self.backend.put_object(m.name, m.to_bytes(), if_absent=True)  # only after the data
         # A gc that listed manifests before ours existed may have deleted the data meanwhile:
         # check now that the manifest is visible (later gc runs see it) and upload again if so.

@@ -34,7 +34,6 @@ from .io import PosixIO
 from .segment import flushed_marker, read_footer_at
 
 if TYPE_CHECKING:
-    from ...policy.residency import TierHook
     from ...policy.retention import RetentionClasses
 
 
@@ -158,15 +157,16 @@ class EvictionMixin:
     _used: int
     _allow_unflushed: bool | None
     _flusher_attached: bool
-    #: set by the store (``residency.install``): told which keys segment eviction dropped
-    residency_hook: TierHook | None = None
-    #: set by the store: per-block (priority, expiry) that ranks segments; None: plain LRU
-    retention: RetentionClasses | None = None
+    #: the tier's retention table (``Tier.configure_retention``): ranks segments; None: plain LRU
+    _retention: RetentionClasses | None
     #: per-segment retention ranks, built on the first victim pick that has a retention table
     _retained_segments: RetainedSegments | None = None
 
     def _close_fd(self, fd: int) -> None:
         raise NotImplementedError  # SSDTier's
+
+    if TYPE_CHECKING:
+        def _report_evicted(self, keys: list[bytes]) -> None: ...  # Tier's
 
     def _evictable(self, seg: SegmentState) -> bool:
         allow = self._allow_unflushed if self._allow_unflushed is not None else not self._flusher_attached
@@ -199,13 +199,12 @@ class EvictionMixin:
                 p.unlink(missing_ok=True)
             metrics.EVICTED_SEGMENTS.inc()
             metrics.USED_BYTES.set(self._used)
-            if self.residency_hook is not None:
-                self.residency_hook.evicted(gone)
+            self._report_evicted(gone)
 
     def _segment_ranks_locked(self) -> dict[int, int]:
         """Segment seq -> its retention rank (absent: 0). Costs one check per segment holding a
         retained key plus the changes since the previous pick (module docstring)."""
-        cls = self.retention
+        cls = self._retention
         if cls is None:
             return {}
         rs = self._retained_segments
@@ -219,7 +218,7 @@ class EvictionMixin:
 
     def _retained_arrived_locked(self, seq: int, keys: Iterable[bytes]) -> None:
         """The write path: ``keys`` now live in segment ``seq`` (called under the tier lock)."""
-        rs, cls = self._retained_segments, self.retention
+        rs, cls = self._retained_segments, self._retention
         if rs is not None and cls is not None:
             rs.arrived(seq, keys, cls)
 
@@ -232,8 +231,8 @@ class EvictionMixin:
         if keys is None:  # cannot happen for a file we sealed; fall back to a full index sweep
             keys = list(self._index.keys())
         gone = [key for key in keys if self._index.pop(key, only_seq=seg.seq) is not None]
-        if self.retention is not None:
-            self.retention.forget(gone)
+        if self._retention is not None:
+            self._retention.forget(gone)
         if self._retained_segments is not None:
             self._retained_segments.dropped(seg.seq)
         del self._segments[seg.seq]

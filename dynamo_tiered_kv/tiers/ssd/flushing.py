@@ -19,7 +19,7 @@ from .recovery import fsync_dir
 from .segment import flushed_marker, read_footer_at
 
 if TYPE_CHECKING:
-    from ...policy.residency import TierHook
+    from ..base import ResidencyHook
 
 
 @dataclass(eq=False)
@@ -48,8 +48,8 @@ class SegmentSourceMixin:
     _lock: threading.Lock
     _flusher_attached: bool
     _index: CompactIndex
-    #: set by the store (``residency.install``): told which keys reached the object tier
-    residency_hook: TierHook | None = None
+    #: the store's listener (``Tier.set_residency_hook``): told which keys reached the object tier
+    _residency_hook: ResidencyHook | None
 
     # --- SegmentSource (for the object-tier flusher) ----------------------------------------
     def _segment_id(self, seq: int) -> str:
@@ -108,7 +108,7 @@ class SegmentSourceMixin:
         with self._lock:
             seg.flushed = True
             seg.sealed_entries = None
-        hook = self.residency_hook
+        hook = self._residency_hook
         if hook is not None:
             if entries is None:
                 footer = read_footer_at(seg.path, seg.size)

@@ -43,6 +43,7 @@ class ReadPathMixin:
     read_parallelism = 16
     read_piece_bytes = 2 << 20
     frugal_piece_bytes = 8 << 20
+    slab_reads_now = True  # ``read_slab_now``: a one-chunk restore reads on the caller's thread
 
     _lock: threading.Lock
     _index: CompactIndex

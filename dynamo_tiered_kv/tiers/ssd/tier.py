@@ -34,7 +34,7 @@ import numpy as np
 from ...blocks.codec import ALIGN
 from ...blocks.keys import KEY_BYTES, BlockKey
 from ...errors import PartialWrite, TierFull, TierUnavailable
-from ..base import Tier, TierCapabilities, TierUsage
+from ..base import Tier, TierCapabilities, TierExpiry, TierUsage
 from ..segments import SealedSegment
 from . import metrics
 from .eviction import EvictionMixin
@@ -528,6 +528,14 @@ class SSDTier(SegmentSourceMixin, ReadPathMixin, ReclaimMixin, TombstoneLogMixin
         return self._tick
 
     # --- deletes ----------------------------------------------------------------------------
+    async def expire(self, now: float, max_bytes: int) -> TierExpiry:
+        """``Tier.expire``, then the open segment is sealed if expired records lie in it, so no
+        byte of an expired block stays on disk after the pass (``seal_deleted``)."""
+        done = await super().expire(now, max_bytes)
+        if done.blocks:
+            await self.seal_deleted()
+        return done
+
     async def delete(self, key: BlockKey) -> bool:
         return await asyncio.get_running_loop().run_in_executor(self._writer, self._delete_sync, bytes(key))
 
