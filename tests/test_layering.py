@@ -42,9 +42,8 @@ BLOCKS_MAY_IMPORT = {"blocks", "errors", "_native", "kernels", "staging"}
 ADAPTERS_SHARED = "common"
 # The tier contract; every other module under ``tiers`` is a concrete tier (or part of one).
 TIER_CONTRACT = f"{PKG}.tiers.base"
-# The store imports a concrete tier's module here: the object tier's expiry pass, run by
-# ``TieredStore.expire`` over the tier it finds (a lazy import, only when an object tier exists).
-KNOWN_STORE_TO_TIER = {(f"{PKG}.store.retention", f"{PKG}.tiers.objectstore.expiry")}
+# The store imports a concrete tier's module here. None: every tier is reached through ``Tier``.
+KNOWN_STORE_TO_TIER: set[tuple[str, str]] = set()
 # Test support built on bench code: deterministic keys, and SGLang's host pools (the module
 # ``dtkv bench sglang`` builds them with, re-exported for the SGLang backend's tests).
 KNOWN_TESTING_TO_BENCH = {(f"{PKG}.testing.records", f"{PKG}.bench._keys"),

@@ -132,8 +132,8 @@ def test_store_accounts_the_stored_prefix_as_written() -> None:
     store = TieredStore([tier], ns, pool, ttl_s=[3600.0])
     try:
         items = [(k, memoryview(np.frombuffer(v, np.uint8))) for k, v in (rec(i) for i in range(4))]
-        store._call(store._write_tier(0, items), timeout=10)
-        assert list(store._ttl[0]._written) == [k for k, _ in items[:2]]
+        store._call(store.writer.write_tier(0, items), timeout=10)
+        assert list(store._state.ttl[0]._written) == [k for k, _ in items[:2]]
     finally:
         store.close()
         pool.close()

@@ -403,4 +403,4 @@ def test_concurrent_closes_close_once(pool: StagingPool) -> None:
     tier.gate.set()
     for t in threads:
         t.join(30)
-    assert errors == [] and closes == ["host"] and store._closed
+    assert errors == [] and closes == ["host"] and store.closed

@@ -65,17 +65,15 @@ async def run_background(b: Background) -> None:
 async def persist(tiers: Sequence[Tier], background: Sequence[Background], flush_until: float) -> None:
     """Seal open segments, then let write-back tasks work until ``flush_until`` (monotonic).
 
-    Duck-typed: tiers with ``seal()`` are sealed; background tasks with ``drain(timeout)`` (or a
-    ``flusher`` that has one) are drained. What is still unflushed at the bound stays sealed on
-    the SSD and is flushed by the next start.
+    Every tier is sealed (``Tier.seal``; a no-op for tiers with nothing to seal); background tasks
+    with ``drain(timeout)`` (or a ``flusher`` that has one) are drained. What is still unflushed at
+    the bound stays sealed on the SSD and is flushed by the next start.
     """
     for t in tiers:
-        seal = getattr(t, "seal", None)
-        if seal is not None:
-            try:
-                await seal()
-            except Exception as e:
-                log.warning("sealing tier %s at close failed: %s", t.name, e)
+        try:
+            await t.seal()
+        except Exception as e:
+            log.warning("sealing tier %s at close failed: %s", t.name, e)
     for b in background:
         drain = getattr(b, "drain", None) or getattr(getattr(b, "flusher", None), "drain", None)
         if drain is None:

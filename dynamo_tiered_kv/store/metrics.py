@@ -74,7 +74,7 @@ class _UsageCollector(Collector):
             cap.add_metric([t.name], u.capacity_bytes)
             used.add_metric([t.name], u.used_bytes)
             blocks.add_metric([t.name], u.num_blocks)
-            if hasattr(t, "index_ready"):  # the object tier indexes in the background
+            if t.capabilities.medium == "object":  # the object tier indexes in the background
                 ready.add_metric([t.name], float(t.index_ready))
                 indexed.add_metric([t.name], u.num_blocks)
         yield from (cap, used, blocks, ready, indexed)

@@ -1,4 +1,4 @@
-"""``TieredStore``'s retention API: retain, prefetch, demote, expire (a mixin, ``RetentionOps``).
+"""``TieredStore``'s retention service (``RetentionService``): retain, prefetch, demote, expire.
 
 * ``retain(keys, retention, holder=...)``: the holder claims a retention class for blocks in
   every tier (``policy/retention.py``: others can only raise a block's class, a holder lowers or
@@ -30,19 +30,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..blocks.keys import BlockKey
 from ..policy.retention import ANONYMOUS, Holder, RetentionClasses
-from ..tiers.base import ReadRequest, Tier
+from ..tiers.base import ReadRequest
 
 if TYPE_CHECKING:
     from ..hints.plan import BlockRetention
-    from ..policy.admission import Retention
+    from ..staging.device_slabs import DeviceSpan
     from ..staging.slabs import StagingPool
-    from .metrics import StoreMetrics
+    from .state import StoreState
+
+#: the writer's ``write_tier``: records into tier ``ti``, tracked for TTL and reported (loop)
+WriteTier = Callable[[int, "list[tuple[BlockKey, memoryview | DeviceSpan]]"], Awaitable[None]]
 
 log = logging.getLogger(__name__)
 
@@ -70,32 +73,47 @@ class ExpireStats:
     bytes: dict[str, int] = field(default_factory=dict)
 
 
-class RetentionOps:
-    """Mixin of ``TieredStore`` (module docstring). The attributes below are the store's."""
+class RetentionService:
+    """Retain, prefetch, demote, expire and the TTL sweep over the store's tiers (module docstring).
 
-    tiers: list[Tier]
-    staging: StagingPool
-    metrics: StoreMetrics
-    write_depth: int
-    _ttl: list[Retention]
-    _loop: asyncio.AbstractEventLoop
-    _bg_tasks: list[asyncio.Task]
-    _call: Callable[..., Any]
-    _write_tier: Callable[..., Any]
-    _tell: Callable[..., None]
+    Built by ``TieredStore`` with the shared ``StoreState``, the staging pool (prefetch and demote
+    take a slab only when one is free) and ``write_tier`` (the writer's: records into one tier,
+    tracked and reported). Threads: ``retain``/``release`` on any thread (the retention tables have
+    their own locks); ``prefetch``/``demote(wait=False)`` queue work on the loop and return;
+    the coroutines (``_prefetch``, ``_demote``, ``expire_pass``, ``sweep``, the periodic passes)
+    run on the loop; ``prefetch_stats`` and ``expire_passes`` are written by the loop only.
+    """
 
-    def _init_retention(self, max_share: float, clock: Callable[[], float]) -> None:
+    def __init__(self, state: StoreState, staging: StagingPool, write_tier: WriteTier, *, max_share: float,
+                 clock: Callable[[], float], sweep_interval_s: float = 5.0, expire_interval_s: float = 300.0,
+                 expire_pass_bytes: int = 1 << 30) -> None:
+        self._state = state
+        self.tiers = state.tiers
+        self.staging = staging
+        self._write_tier = write_tier
         self.clock = clock
+        self.sweep_interval_s = sweep_interval_s
+        self.expire_interval_s = expire_interval_s
+        self.expire_pass_bytes = expire_pass_bytes
+        self.expire_passes = 0  # periodic passes done (the loop writes it)
         self.prefetch_stats = PrefetchStats()
         self._prefetch_q: asyncio.Queue[tuple[list[BlockKey], int]] | None = None
-        self._record_nbytes = 0  # typical record size, for blocks retained before they are written
         for ti, t in enumerate(self.tiers):
-            cls = RetentionClasses(t.usage().capacity_bytes, max_share=max_share, clock=clock, tier=t.name)
-            t.retention = cls  # type: ignore[attr-defined]  # read by each tier's eviction
-            self._ttl[ti].keep = cls.protected  # the TTL sweep spares protected blocks
+            cls = t.configure_retention(max_share=max_share, clock=clock)  # the tier's eviction honours it
+            state.ttl[ti].keep = cls.protected  # the TTL sweep spares protected blocks
+
+    def background(self) -> list[tuple[str, Coroutine[Any, Any, None]]]:
+        """(task name, coroutine) of the periodic passes to run on the loop (the store starts them
+        and cancels them on close)."""
+        out: list[tuple[str, Coroutine[Any, Any, None]]] = []
+        if any(t.ttl_s is not None for t in self._state.ttl):
+            out.append(("dtkv-ttl-sweep", self._sweep_forever()))
+        if self.expire_interval_s > 0:
+            out.append(("dtkv-expire", self._expire_forever()))
+        return out
 
     def retention_of(self, ti: int) -> RetentionClasses:
-        return self.tiers[ti].retention  # type: ignore[attr-defined,no-any-return]
+        return self.tiers[ti].retention
 
     # --- retain ---------------------------------------------------------------------------------
     def retain(self, keys: Sequence[BlockKey], retention: BlockRetention | Sequence[BlockRetention], *,
@@ -108,7 +126,7 @@ class RetentionOps:
             raise ValueError("one retention per key, or one for all")
         kept = 0
         for key, r in zip(keys, per_key):
-            size = next((n for t in self.tiers if (n := t.size_of(key)) is not None), self._record_nbytes)
+            size = next((n for t in self.tiers if (n := t.size_of(key)) is not None), self._state.record_nbytes)
             for ti in range(len(self.tiers)):
                 ok = self.retention_of(ti).set(key, r.priority, r.expiry, size, holder)
                 kept += ok and ti == 0
@@ -116,7 +134,7 @@ class RetentionOps:
 
     def note_record_bytes(self, nbytes: int) -> None:
         """The size of one record (blocks retained before they exist count this much)."""
-        self._record_nbytes = nbytes
+        self._state.record_nbytes = nbytes
 
     # --- prefetch -------------------------------------------------------------------------------
     def prefetch(self, keys: Sequence[BlockKey], *, into: int = 0) -> None:
@@ -124,14 +142,14 @@ class RetentionOps:
         queue drops it, ``prefetch_stats.dropped``)."""
         keys = list(keys)
         try:
-            self._loop.call_soon_threadsafe(self._enqueue_prefetch, keys, into)
+            self._state.loop.call_soon_threadsafe(self._enqueue_prefetch, keys, into)
         except RuntimeError:  # the store closed
             self.prefetch_stats.dropped += 1
 
     def _enqueue_prefetch(self, keys: list[BlockKey], into: int) -> bool:
         if self._prefetch_q is None:
             self._prefetch_q = asyncio.Queue(PREFETCH_QUEUE)
-            self._bg_tasks.append(asyncio.ensure_future(self._prefetch_worker()))  # stopped on close
+            self._state.bg_tasks.append(asyncio.ensure_future(self._prefetch_worker()))  # stopped on close
         try:
             self._prefetch_q.put_nowait((keys, into))
         except asyncio.QueueFull:
@@ -142,7 +160,7 @@ class RetentionOps:
 
     def prefetch_now(self, keys: Sequence[BlockKey], *, into: int = 0, timeout: float = 60.0) -> int:
         """Promote synchronously (tests, tools); returns blocks promoted."""
-        return int(self._call(self._prefetch(list(keys), into), timeout=timeout))
+        return int(self._state.call(self._prefetch(list(keys), into), timeout=timeout))
 
     async def _prefetch_worker(self) -> None:
         assert self._prefetch_q is not None
@@ -234,11 +252,11 @@ class RetentionOps:
         if not wait:
             coro = self._demote(list(keys))
             try:
-                asyncio.run_coroutine_threadsafe(coro, self._loop)
+                asyncio.run_coroutine_threadsafe(coro, self._state.loop)
             except RuntimeError:  # the store closed
                 coro.close()
             return 0
-        return int(self._call(self._demote(list(keys)), timeout=60.0))
+        return int(self._state.call(self._demote(list(keys)), timeout=60.0))
 
     async def _demote(self, keys: list[BlockKey]) -> int:
         host, down = self.tiers[0], self.tiers[1]
@@ -264,8 +282,8 @@ class RetentionOps:
                 if items:
                     await self._write_tier(1, items)
                 gone = [k for k, _, _ in batch if down.contains(k) and await host.delete(k)]
-                self._ttl[0].forget(gone)
-                self._tell(0, gone, stored=False)
+                self._state.ttl[0].forget(gone)
+                self._state.tell(0, gone, stored=False)
                 moved += len(gone)
         finally:
             self.staging.release(slab)
@@ -274,38 +292,52 @@ class RetentionOps:
     # --- expire ---------------------------------------------------------------------------------
     def expire(self, now: float | None = None, max_bytes: int = 1 << 30) -> ExpireStats:
         """One GC pass (module docstring); synchronous."""
-        return self._call(self._expire(now, max_bytes), timeout=120.0)  # type: ignore[no-any-return]
+        return self._state.call(self.expire_pass(now, max_bytes), timeout=120.0)  # type: ignore[no-any-return]
 
-    async def _expire(self, now: float | None, max_bytes: int) -> ExpireStats:
+    async def expire_pass(self, now: float | None, max_bytes: int) -> ExpireStats:
+        """One GC pass over every tier (``Tier.expire``: retained blocks whose expiry passed leave
+        the tier, about ``max_bytes`` per tier; the tier reports them to its residency hook, which
+        forgets their TTL tracking and tells the store's listener). Loop thread."""
         out = ExpireStats()
-        for ti, tier in enumerate(self.tiers):
-            cls = self.retention_of(ti)
-            when = cls.clock() if now is None else now
-            if tier.capabilities.medium == "object":
-                from ..tiers.objectstore.expiry import expire_pass
-
-                rep = await expire_pass(tier, now=when, max_bytes=max_bytes)  # type: ignore[arg-type]
-                out.blocks[tier.name], out.bytes[tier.name] = rep.blocks, rep.bytes
-                continue
-            blocks = nbytes = 0
-            while nbytes < max_bytes:
-                batch = cls.expired(when, 256)
-                if not batch:
-                    break
-                sizes = {key: n for key, _ in batch if (n := tier.size_of(key)) is not None}
-                if not sizes:
-                    continue
-                try:  # one batch: the SSD tier appends (and syncs) its tombstones once and frees the bytes
-                    blocks += await tier.delete_many(list(sizes))
-                except Exception as e:
-                    log.warning("expiry delete from tier %s failed: %s", tier.name, e)
-                    continue
-                gone = [key for key in sizes if not tier.contains(key)]
-                nbytes += sum(sizes[key] for key in gone)
-                self._ttl[ti].forget(gone)
-                self._tell(ti, gone, stored=False)
-            seal_deleted = getattr(tier, "seal_deleted", None)  # the SSD tier's open segment: free it too
-            if blocks and seal_deleted is not None:
-                await seal_deleted()
-            out.blocks[tier.name], out.bytes[tier.name] = blocks, nbytes
+        for tier in self.tiers:
+            when = tier.retention.clock() if now is None else now
+            rep = await tier.expire(when, max_bytes)
+            out.blocks[tier.name], out.bytes[tier.name] = rep.blocks, rep.bytes
         return out
+
+    # --- periodic passes (loop) -------------------------------------------------------------------
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval_s)
+            await self.sweep()
+
+    async def sweep(self, now: float | None = None) -> int:
+        """Delete blocks older than their tier's TTL (only those this store wrote). Returns count."""
+        now = time.monotonic() if now is None else now
+        n = 0
+        for ti, ttl in enumerate(self._state.ttl):
+            gone = []
+            for key in ttl.expired(now):
+                try:
+                    if await self.tiers[ti].delete(key):
+                        gone.append(key)
+                except Exception as e:
+                    log.warning("TTL delete from tier %s failed: %s", self.tiers[ti].name, e)
+            n += len(gone)
+            self._state.tell(ti, gone, stored=False)
+        return n
+
+    async def _expire_forever(self) -> None:
+        """Every ``expire_interval_s``, one expiry pass on the loop (``expire_pass``), bounded by
+        ``expire_pass_bytes``. A failed pass is logged and the next one runs as planned: a
+        block whose retention passed must not stay forever because one pass hit a tier fault."""
+        while True:
+            await asyncio.sleep(self.expire_interval_s)
+            try:
+                rep = await self.expire_pass(None, self.expire_pass_bytes)
+            except Exception as e:
+                log.warning("expiry pass failed (the next runs in %.0fs): %s", self.expire_interval_s, e)
+                continue
+            self.expire_passes += 1
+            if any(rep.blocks.values()):
+                log.debug("expiry pass: %s blocks, %s bytes", rep.blocks, rep.bytes)

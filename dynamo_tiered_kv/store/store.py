@@ -1,8 +1,11 @@
 """``TieredStore``: lookup, offload and onboard of KV blocks across tiers (fast -> slow).
 
-The offload path is ``store.writes``, the load pipeline ``store.reads.pipeline``, the retention API
-``store.retention`` (mixins of ``TieredStore``); this module holds the store's loop, its lifecycle
-and the engine-facing entry points.
+``TieredStore`` is a facade over three parts it builds and owns: a writer (``store.writes``:
+offload, deferred encode, write-behind into the written tiers), a reader (``store.reads.pipeline``:
+the restore pipeline) and a retention service (``store.retention``: retain, prefetch, demote,
+expire). What they share (the tiers, the loop, pending counts, TTL tracking, condemned records) is
+one ``StoreState`` (``store.state``) each is given explicitly; this module holds the store's loop,
+its lifecycle and the engine-facing entry points.
 
 Threads and ownership
 ---------------------
@@ -24,18 +27,19 @@ threads only use the synchronous facade:
 
 Shared state of the store itself, and who touches it:
 
-* ``_pending`` (offload batches and promotions not yet written): engine threads, loading threads
-  and the loop; behind ``_pending_lock`` (``_idle`` waits on it).
-* ``_tasks``, ``_bg_tasks`` and the read gates (``store.reads.pipeline``): the loop thread only.
-* ``_ttl`` (``policy.admission.Retention`` per tier): the loop and tiers' writer threads (eviction hooks);
-  each has its own lock. ``admission`` (``policy.admission.Admission``): engine and loading threads; its lock.
+* ``StoreState.pending`` (offload batches and promotions not yet written): engine threads, loading
+  threads and the loop; behind its lock (``drain`` waits on it).
+* ``StoreState.tasks``/``bg_tasks`` and the read gates (``store.reads.pipeline``): the loop thread only.
+* ``StoreState.ttl`` (``policy.admission.Retention`` per tier): the loop and tiers' writer threads
+  (eviction hooks); each has its own lock. ``admission`` (``policy.admission.Admission``): engine
+  and loading threads; its lock.
 * The periodic passes run as tasks on the loop, never on an engine thread: the TTL sweep, and
   every ``expire_interval_s`` one expiry pass (``expire``: retained blocks whose expiry passed
   leave every tier, at most ``EXPIRE_PASS_BYTES`` per pass), so nobody has to call ``expire``.
-* ``_residency`` and the tiers' hooks: replaced whole by ``set_residency`` (hooks are immutable).
-* ``_closed``: set once, under ``_close_lock``; read anywhere (a late engine call is dropped).
-* ``_condemned`` (records that failed verification, until their delete is done): marked by the
-  loading thread, cleared by the loop; single dict operations only (atomic under the GIL).
+* ``StoreState.residency`` and the tiers' hooks: replaced whole by ``set_residency`` (hooks are immutable).
+* ``StoreState.closed``: set once, under ``_close_lock``; read anywhere (a late engine call is dropped).
+* ``StoreState.condemned`` (records that failed verification, until their delete is done): marked
+  by the loading thread, cleared by the loop; single dict operations only (atomic under the GIL).
 
 A store that is never closed is closed at process exit by ``lifecycle`` (before Python stops its
 thread pools), within ``exit_timeout_s``; ``close`` and ``close_by`` are idempotent and thread-safe.
@@ -61,21 +65,27 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..blocks.keys import BlockKey, Namespace
 from ..blocks.layout import EngineLayout
 from ..policy.admission import Admission, AdmissionPolicy, Retention
 from ..policy.pacing import Pacer
-from ..policy.residency import ResidencyListener, install, medium_of, notify
+from ..policy.residency import ResidencyListener, install
+from ..policy.retention import ANONYMOUS, Holder, RetentionClasses
 from ..staging.device_slabs import DeviceStagingPool
 from ..staging.slabs import StagingPool
 from ..tiers.base import Tier
 from . import lifecycle
 from .lifecycle import Background
 from .metrics import StoreMetrics
-from .reads.pipeline import ChunkReads, LoadStages
-from .retention import RetentionOps
-from .writes import OffloadWrites, check_block_ids
+from .reads.pipeline import ChunkReader, LoadStages
+from .retention import ExpireStats, PrefetchStats, RetentionService
+from .state import StoreState
+from .writes import OffloadWriter, check_block_ids
+
+if TYPE_CHECKING:
+    from ..hints.plan import BlockRetention
 
 log = logging.getLogger("dynamo_tiered_kv.store")  # the store's logger, shared by its modules
 
@@ -112,7 +122,7 @@ def _block_count(tier: Tier) -> Callable[[], int]:
     return lambda: tier.usage().num_blocks
 
 
-class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
+class TieredStore:
     """Tiered KV block store with a synchronous, never-blocking engine facade.
 
     Args:
@@ -159,36 +169,27 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
         self.device_staging = device_staging
         self.admission = admission if isinstance(admission, Admission) else Admission(admission,
                                                                                        min_prefix_blocks)
-        self.max_pending_offloads = max_pending_offloads
         self.write_depth = max(1, min(write_depth, len(self.tiers)))
         ttls = list(ttl_s or [])
-        self._ttl = [Retention(ttls[i] if i < len(ttls) else None, t.contains, _block_count(t))
-                     for i, t in enumerate(self.tiers)]
-        self._init_retention(retain_max_share, clock)
+        ttl = [Retention(ttls[i] if i < len(ttls) else None, t.contains, _block_count(t))
+               for i, t in enumerate(self.tiers)]
         self.metrics = StoreMetrics(self.tiers)
         self.metrics_port = self.metrics.serve(metrics_port) if metrics_port is not None else None
-        self._ns_digest = namespace.digest
-        self._pending = 0
-        self._pending_lock = threading.Lock()
-        self._idle = threading.Condition(self._pending_lock)
-        self._closed = False
         self._close_lock = threading.Lock()
-        #: (tier, key) of records that failed verification whose delete is not done: gone for
-        #: lookups, loads and offloads at once; set when the delete is done (``_condemn``)
-        self._condemned: dict[tuple[int, BlockKey], asyncio.Event] = {}
         self.exit_timeout_s = exit_timeout_s
-        self._sweep_interval_s = sweep_interval_s
-        self._expire_interval_s = expire_interval_s
-        self.expire_passes = 0  # periodic passes done (the loop writes it)
         self._close_flush_timeout_s = close_flush_timeout_s
-        self.load_chunk_bytes = load_chunk_bytes
-        self.load_first_chunk_bytes = load_first_chunk_bytes
-        self.load_depth = max(1, load_depth)
         self._background = list(background)
-        self.set_residency(on_residency)
-        self._bg_tasks: list[asyncio.Task] = []
-        self._tasks: set[asyncio.Task] = set()
         self._loop = asyncio.new_event_loop()
+        self._state = StoreState(self.tiers, self.metrics, ttl, self._loop, max_pending_offloads)
+        self.writer = OffloadWriter(self._state, staging, device_staging, self.admission, self.write_depth,
+                                    namespace.digest)
+        self.reader = ChunkReader(self._state, staging, self.writer, self.admission, write_depth=self.write_depth,
+                                  ns_digest=namespace.digest, load_chunk_bytes=load_chunk_bytes,
+                                  load_first_chunk_bytes=load_first_chunk_bytes, load_depth=load_depth)
+        self.retention = RetentionService(self._state, staging, self.writer.write_tier, max_share=retain_max_share,
+                                          clock=clock, sweep_interval_s=sweep_interval_s,
+                                          expire_interval_s=expire_interval_s, expire_pass_bytes=EXPIRE_PASS_BYTES)
+        self.set_residency(on_residency)
         self._thread = threading.Thread(target=self._loop.run_forever, name="dtkv-store", daemon=True)
         self._thread.start()
         self._call(self._start(), timeout=120)
@@ -199,18 +200,21 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
         for t in self.tiers:
             await t.open()
         for b in self._background:
-            self._bg_tasks.append(asyncio.ensure_future(lifecycle.run_background(b)))
-        if any(t.ttl_s is not None for t in self._ttl):
-            self._bg_tasks.append(asyncio.ensure_future(self._sweep_forever()))
-        if self._expire_interval_s > 0:
-            self._bg_tasks.append(asyncio.create_task(self._expire_forever(), name="dtkv-expire"))
+            self._state.bg_tasks.append(asyncio.ensure_future(lifecycle.run_background(b)))
+        for name, coro in self.retention.background():
+            self._state.bg_tasks.append(asyncio.create_task(coro, name=name))
 
     def _call(self, coro, timeout: float | None = None):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        return self._state.call(coro, timeout)
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._state.closed
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock retention expiries are measured on."""
+        return self.retention.clock
 
     def close(self, timeout: float = 30.0) -> None:
         """Drain queued offloads (up to ``timeout``), seal open segments, let write-back finish (up to
@@ -232,17 +236,17 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
             log.warning("store close still running in another thread; not waiting longer")
             return
         try:
-            if self._closed:
+            if self._state.closed:
                 return
             lifecycle.untrack(self)
             if lifecycle.executors_stopped():  # too late to write: recovery seals what reached the SSD
                 log.warning("store closed after Python stopped its thread pools; queued writes may be lost "
                             "(close the store before interpreter exit)")
             if not self.drain(max(0.0, drain_until - time.monotonic())):
-                log.warning("%d offload batches still queued at close; they may be lost", self._pending)
-            self._closed = True
+                log.warning("%d offload batches still queued at close; they may be lost", self._state.pending)
+            self._state.closed = True
             try:
-                self._call(lifecycle.shut_down(self.tiers, self._background, self._bg_tasks, flush_until, end),
+                self._call(lifecycle.shut_down(self.tiers, self._background, self._state.bg_tasks, flush_until, end),
                            timeout=max(0.1, end - time.monotonic()))
             except Exception:
                 log.exception("store shutdown did not finish cleanly")
@@ -269,7 +273,7 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
         names: list[str] = []
         for k in keys:
             for ti, t in enumerate(self.tiers):
-                if self._holds(ti, k):
+                if self._state.holds(ti, k):
                     names.append(t.name)
                     break
             else:
@@ -279,55 +283,21 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
             self.metrics.lookup_blocks.labels(name).inc()
         return LookupResult(len(names), tuple(names))
 
-    def _reserve_pending(self) -> bool:
-        with self._pending_lock:
-            if self._pending >= self.max_pending_offloads:
-                return False
-            self._pending += 1
-            return True
-
-    def _finish_pending(self) -> None:
-        with self._pending_lock:
-            self._pending -= 1
-            if self._pending == 0:
-                self._idle.notify_all()
-
-    def _schedule(self, coro, *, reserved: bool = False) -> None:
-        """Run ``coro`` on the loop; ``drain`` waits for it. ``reserved``: the caller already counted it."""
-        if not reserved:
-            with self._pending_lock:
-                self._pending += 1  # promotions and repairs are never refused: their slab is already ours
-        try:
-            self._loop.call_soon_threadsafe(self._spawn, coro)
-        except RuntimeError:  # the store closed under an engine call in flight: drop the work, never raise
-            coro.close()
-            self._finish_pending()
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        self._finish_pending()
-        if not task.cancelled() and task.exception() is not None:
-            log.error("store task failed", exc_info=task.exception())
+    # --- offload (the writer) ----------------------------------------------------------------
+    def submit_offload(self, layout: EngineLayout, block_ids: Sequence[int], keys: Sequence[BlockKey],
+                       parents: Sequence[BlockKey], *, first_index: int = 0) -> bool:
+        """Copy finished engine blocks into staging now; write them to the tiers in the background
+        (``OffloadWriter.submit_offload``). Never blocks; False if the batch was dropped."""
+        return self.writer.submit_offload(layout, block_ids, keys, parents, first_index=first_index)
 
     def set_residency(self, listener: ResidencyListener | None) -> None:
         """Report to ``listener`` which blocks each tier stores and drops from now on (None: stop)."""
-        self._residency = listener
-        install(self.tiers, listener, [r.forget if r.ttl_s is not None else None for r in self._ttl])
-
-    def _tell(self, ti: int, keys: list[BlockKey], *, stored: bool) -> None:
-        listener, medium = self._residency, medium_of(self.tiers[ti])
-        if listener is not None and medium is not None and keys:
-            notify(listener.stored if stored else listener.removed, medium, keys)
+        self._state.residency = listener
+        install(self.tiers, listener, [r.forget if r.ttl_s is not None else None for r in self._state.ttl])
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every accepted offload has been written (tests, shutdown)."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+        return self._state.drain(timeout)
 
     flush = drain
 
@@ -342,15 +312,15 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
 
     @property
     def pending_offloads(self) -> int:
-        return self._pending
+        return self._state.pending
 
     def bookkeeping(self) -> dict[str, int]:
         """Sizes of the store's own maps (for soak tests and leak hunting): retention entries per
         tier, admission sightings, tasks on the loop, offload batches pending."""
-        out = {f"retention_{t.name}": len(r) for t, r in zip(self.tiers, self._ttl)}
+        out = {f"retention_{t.name}": len(r) for t, r in zip(self.tiers, self._state.ttl)}
         out["admission_keys"] = len(self.admission)
-        out["loop_tasks"] = len(self._tasks)
-        out["pending_offloads"] = self._pending
+        out["loop_tasks"] = len(self._state.tasks)
+        out["pending_offloads"] = self._state.pending
         return out
 
     # --- load ------------------------------------------------------------------------------
@@ -377,8 +347,8 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
         check_block_ids(layout, block_ids)
         t0 = time.perf_counter()
         res = LoadResult()
-        self._load_pipelined(layout, block_ids, keys, timeout, res.loaded_block_ids, res.tier_per_block, res.stages,
-                              pacer, decode_threads)
+        self.reader.load_pipelined(layout, block_ids, keys, timeout, res.loaded_block_ids, res.tier_per_block,
+                                   res.stages, pacer, decode_threads)
         res.failed_block_ids = list(block_ids[len(res.loaded_block_ids):])
         if res.failed_block_ids:
             self.metrics.load_failed_blocks.inc(len(res.failed_block_ids))
@@ -387,47 +357,13 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
             self.metrics.observe_restore(res.stages)
         return res
 
-    def _holds(self, ti: int, key: BlockKey) -> bool:
-        """Tier ``ti`` has a record of ``key`` that did not fail verification. Any thread."""
-        # The map is almost always empty: test that first, so a lookup builds no (tier, key)
-        # tuple. Its truth test is one atomic read like the membership test it guards, so a mark
-        # made before this call (``_condemn`` returns only once marked) is still seen.
-        condemned = self._condemned
-        if condemned and (ti, key) in condemned:
-            return False
-        return self.tiers[ti].contains(key)
-
-    def _condemn(self, ti: int, key: BlockKey) -> None:
-        """Tier ``ti``'s record of ``key`` failed verification (loading thread): from now on it is
-        gone for lookups and offloads, and the loop deletes it.
-
-        Marked before this returns, because the engine saves the block it recomputes right after
-        the failed load: were the record still held then, the save would be skipped as a duplicate
-        and the delete would then leave the block stored nowhere. The fresh copy's write waits for
-        the delete (``_write_tier``), so the delete never removes it.
-        """
-        done = asyncio.Event()
-        if self._condemned.setdefault((ti, key), done) is done:  # once per record until deleted
-            self._schedule(self._forget(ti, key, done))
-
-    async def _forget(self, ti: int, key: BlockKey, done: asyncio.Event) -> None:
-        try:
-            if await self.tiers[ti].delete(key):
-                self._ttl[ti].forget([key])
-                self._tell(ti, [key], stored=False)
-        except Exception as e:
-            log.warning("could not delete corrupt block %s from tier %s: %s", key.hex(), self.tiers[ti].name, e)
-        finally:
-            del self._condemned[(ti, key)]
-            done.set()
-
     def suspend_device(self, timeout: float = 30.0) -> bool:
         """Before GPU sleep: finish accepted offloads (they may read device slabs), then deregister
         device memory from every GPU-direct tier. True if every offload finished in ``timeout``.
         The engine does not step while asleep, so nothing new arrives until ``resume_device``."""
         drained = self.drain(timeout)
         for tier in self.tiers:
-            dio = getattr(tier, "device_io", None)
+            dio = tier.device_io
             if dio is not None:
                 dio.suspend()
         return drained
@@ -435,7 +371,7 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
     def resume_device(self) -> None:
         """After wake-up: register the device memory ``suspend_device`` deregistered."""
         for tier in self.tiers:
-            dio = getattr(tier, "device_io", None)
+            dio = tier.device_io
             if dio is not None:
                 dio.resume()
 
@@ -448,57 +384,59 @@ class TieredStore(OffloadWrites, RetentionOps, ChunkReads):
         """
         for ti, tier in enumerate(self.tiers):
             if not tier.capabilities.shared:
-                self._schedule(self._drop_tier(ti))
+                self._state.schedule(self._drop_tier(ti))
 
     async def _drop_tier(self, ti: int) -> None:
         tier = self.tiers[ti]
         try:
             keys = list(tier.keys())
             n = await tier.delete_many(keys)
-            self._ttl[ti].forget(keys)
-            self._tell(ti, keys, stored=False)
+            self._state.ttl[ti].forget(keys)
+            self._state.tell(ti, keys, stored=False)
             log.info("dropped %d blocks from tier %s (cache reset)", n, tier.name)
         except Exception as e:
             log.warning("dropping tier %s after a cache reset failed: %s", tier.name, e)
 
-    # --- retention -----------------------------------------------------------------------------
-    async def _sweep_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self._sweep_interval_s)
-            await self.sweep()
+    # --- retention (the retention service) ---------------------------------------------------
+    def retain(self, keys: Sequence[BlockKey], retention: BlockRetention | Sequence[BlockRetention], *,
+               holder: Holder = ANONYMOUS) -> int:
+        """``RetentionService.retain``: ``holder`` claims a retention class for ``keys`` in every tier."""
+        return self.retention.retain(keys, retention, holder=holder)
 
-    async def sweep(self, now: float | None = None) -> int:
-        """Delete blocks older than their tier's TTL (only those this store wrote). Returns count."""
-        now = time.monotonic() if now is None else now
-        n = 0
-        for ti, ttl in enumerate(self._ttl):
-            gone = []
-            for key in ttl.expired(now):
-                try:
-                    if await self.tiers[ti].delete(key):
-                        gone.append(key)
-                except Exception as e:
-                    log.warning("TTL delete from tier %s failed: %s", self.tiers[ti].name, e)
-            n += len(gone)
-            self._tell(ti, gone, stored=False)
-        return n
+    def prefetch(self, keys: Sequence[BlockKey], *, into: int = 0) -> None:
+        """``RetentionService.prefetch``: queue promotion into tier ``into``; never waits."""
+        self.retention.prefetch(keys, into=into)
 
-    async def _expire_forever(self) -> None:
-        """Every ``expire_interval_s``, one expiry pass on the loop (``expire``), bounded by
-        ``EXPIRE_PASS_BYTES``. A failed pass is logged and the next one runs as planned: a
-        block whose retention passed must not stay forever because one pass hit a tier fault."""
-        while True:
-            await asyncio.sleep(self._expire_interval_s)
-            try:
-                rep = await self._expire(None, EXPIRE_PASS_BYTES)
-            except Exception as e:
-                log.warning("expiry pass failed (the next runs in %.0fs): %s", self._expire_interval_s, e)
-                continue
-            self.expire_passes += 1
-            if any(rep.blocks.values()):
-                log.debug("expiry pass: %s blocks, %s bytes", rep.blocks, rep.bytes)
+    def prefetch_now(self, keys: Sequence[BlockKey], *, into: int = 0, timeout: float = 60.0) -> int:
+        """``RetentionService.prefetch_now``: promote synchronously; returns blocks promoted."""
+        return self.retention.prefetch_now(keys, into=into, timeout=timeout)
+
+    def demote(self, keys: Sequence[BlockKey], *, holder: Holder = ANONYMOUS, wait: bool = True) -> int:
+        """``RetentionService.demote``: release ``holder``'s claims and move unprotected host blocks down."""
+        return self.retention.demote(keys, holder=holder, wait=wait)
+
+    def expire(self, now: float | None = None, max_bytes: int = 1 << 30) -> ExpireStats:
+        """``RetentionService.expire``: one GC pass, synchronous."""
+        return self.retention.expire(now, max_bytes)
+
+    # read by connectors, benchmarks and tools: the retention service's tables and counters
+    def retention_of(self, ti: int) -> RetentionClasses:
+        """Tier ``ti``'s retention table."""
+        return self.retention.retention_of(ti)
+
+    def note_record_bytes(self, nbytes: int) -> None:
+        """The size of one record (blocks retained before they exist count this much)."""
+        self.retention.note_record_bytes(nbytes)
+
+    @property
+    def prefetch_stats(self) -> PrefetchStats:
+        return self.retention.prefetch_stats
+
+    @property
+    def expire_passes(self) -> int:
+        """Periodic expiry passes done."""
+        return self.retention.expire_passes
 
     def sweep_now(self, now: float | None = None) -> int:
-        """Synchronous ``sweep`` for tests and tools."""
-        return self._call(self.sweep(now), timeout=60)
-
+        """One TTL sweep, synchronous (tests and tools)."""
+        return int(self._call(self.retention.sweep(now), timeout=60))

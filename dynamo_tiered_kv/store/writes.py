@@ -1,14 +1,14 @@
-"""The offload path of ``TieredStore`` (a mixin, ``OffloadWrites``): engine blocks into staging on
+"""The offload path of ``TieredStore`` (``OffloadWriter``, the store's writer): engine blocks into staging on
 the engine's thread, then into the tiers on the store's loop.
 
 * ``submit_offload`` never waits: the per-block target tiers (written tiers that lack the block
   and admit it), a staging slab taken without waiting, the blocks gathered and encoded into it
   (on the device for GPU-direct tiers; a CUDA engine's checksums are left to the writer,
   ``deferred_encode``), the slab handed to the loop. Every drop is counted by its reason.
-* ``_write_slab`` / ``_write_tier`` (loop thread): each tier gets its records as one
+* ``write_slab`` / ``write_tier`` (loop thread): each tier gets its records as one
   ``write_many``; what a tier kept is tracked for TTL and reported to the residency listener.
 * The slab choice: a device slab when every target tier moves records GPU-direct, else a host
-  slab (``_acquire``); the load pipeline (``store.reads.pipeline``) takes its slabs the same way.
+  slab (``acquire``); the load pipeline (``store.reads.pipeline``) takes its slabs the same way.
 """
 
 from __future__ import annotations
@@ -16,19 +16,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from ..blocks.codec import record_bytes
 from ..blocks.keys import BlockKey
 from ..blocks.layout import EngineLayout
 from ..errors import PartialWrite, TierFull, TierUnavailable
-from ..policy.admission import Admission, Retention
+from ..policy.admission import Admission
 from ..staging.device_slabs import DeviceSlab, DeviceSpan, DeviceStagingPool
 from ..staging.slabs import Slab, StagingPool
-from ..tiers.base import Tier
 from .deferred_encode import Seal, begin_encode
-from .metrics import StoreMetrics
-from .reads.pipeline import slot_view
+from .reads.chunk import slot_view
+from .state import StoreState
 
 log = logging.getLogger("dynamo_tiered_kv.store")  # the store's logger: log filters keep working
 
@@ -39,25 +38,28 @@ def check_block_ids(layout: EngineLayout, block_ids: Sequence[int]) -> None:
         raise ValueError(f"block ids must be in [0, {layout.num_blocks}), got {min(block_ids)}..{max(block_ids)}")
 
 
-class OffloadWrites:
-    """Mixin of ``TieredStore``: the offload path. The attributes below are the store's."""
+class OffloadWriter:
+    """The offload path (module docstring): ``submit_offload`` on engine threads (never waits),
+    ``write_slab``/``write_tier`` on the store's loop. Also picks slabs for the reader
+    (``acquire``/``release``: a device slab when every tier involved moves records GPU-direct).
 
-    tiers: list[Tier]
-    metrics: StoreMetrics
-    staging: StagingPool
-    device_staging: DeviceStagingPool | None
-    admission: Admission
-    write_depth: int
-    _ttl: list[Retention]
-    _ns_digest: bytes
-    _closed: bool
-    _record_nbytes: int
-    _reserve_pending: Callable[[], bool]
-    _finish_pending: Callable[[], None]
-    _schedule: Callable[..., None]
-    _holds: Callable[[int, BlockKey], bool]
-    _condemned: dict[tuple[int, BlockKey], asyncio.Event]
-    _tell: Callable[..., None]
+    Built by ``TieredStore`` with the shared ``StoreState`` (tiers, metrics, pending count, TTL
+    tracking, condemned records), the staging pools and the admission policy. Threads: engine
+    threads call ``submit_offload`` (``admission`` has its own lock; the pending count is behind
+    the state's lock); the loop runs ``write_slab``/``write_tier``; ``acquire``/``release`` run on
+    any thread (the pools have their own locks).
+    """
+
+    def __init__(self, state: StoreState, staging: StagingPool, device_staging: DeviceStagingPool | None,
+                 admission: Admission, write_depth: int, ns_digest: bytes) -> None:
+        self._state = state
+        self.tiers = state.tiers
+        self.metrics = state.metrics
+        self.staging = staging
+        self.device_staging = device_staging
+        self.admission = admission
+        self.write_depth = write_depth
+        self._ns_digest = ns_digest
 
     # --- offload ---------------------------------------------------------------------------
     def submit_offload(self, layout: EngineLayout, block_ids: Sequence[int], keys: Sequence[BlockKey],
@@ -74,7 +76,7 @@ class OffloadWrites:
         if not (len(block_ids) == len(keys) == len(parents)):
             raise ValueError("block_ids, keys and parents must have the same length")
         check_block_ids(layout, block_ids)
-        if self._closed:
+        if self._state.closed:
             self.metrics.offload_dropped.labels("closed").inc()
             return False
         if first_index + len(block_ids) < self.admission.min_prefix_blocks:
@@ -84,26 +86,26 @@ class OffloadWrites:
         for i, k in enumerate(keys):
             seen = self.admission.sight(k)
             targets = [ti for ti in range(self.write_depth)
-                       if not self._holds(ti, k) and self._admits(ti, seen)]
+                       if not self._state.holds(ti, k) and self.admits(ti, seen)]
             if targets:
                 todo.append((i, targets))
         if not todo:
             return True
         rb = record_bytes(layout.shape)
-        self._record_nbytes = rb  # for blocks retained before they are written
-        per_slab = self._slab_bytes(layout) // rb
+        self._state.record_nbytes = rb  # for blocks retained before they are written
+        per_slab = self.slab_bytes(layout) // rb
         if per_slab == 0:
             self.metrics.offload_dropped.labels("too_large").inc()
             return False
         accepted_all = True
         for c in range(0, len(todo), per_slab):
             chunk = todo[c:c + per_slab]
-            if not self._reserve_pending():
+            if not self._state.reserve_pending():
                 self.metrics.offload_dropped.labels("queue_full").inc()
                 return False
-            slab = self._acquire(layout, {ti for _, targets in chunk for ti in targets}, 0)
+            slab = self.acquire(layout, {ti for _, targets in chunk for ti in targets}, 0)
             if slab is None:
-                self._finish_pending()
+                self._state.finish_pending()
                 self.metrics.offload_dropped.labels("no_staging").inc()
                 return False
             seal: Seal | None = None
@@ -117,52 +119,52 @@ class OffloadWrites:
                 else:  # a CUDA engine's copy is only queued here: checksums are the writer's (seal)
                     seal = begin_encode(*args, slab.array)
             except Exception:
-                self._release(slab)
-                self._finish_pending()
+                self.release(slab)
+                self._state.finish_pending()
                 log.exception("encoding blocks for offload failed; batch dropped")
                 self.metrics.offload_dropped.labels("encode_error").inc()
                 accepted_all = False
                 continue
             plan = [(j, keys[i], targets) for j, (i, targets) in enumerate(chunk)]
             self.metrics.offload_blocks.inc(len(plan))
-            self._schedule(self._write_slab(slab, rb, plan, seal), reserved=True)
+            self._state.schedule(self.write_slab(slab, rb, plan, seal), reserved=True)
         return accepted_all
 
     # --- slabs: host staging, or device staging for GPU-direct tiers ---------------------------
-    def _gpu_direct(self, ti: int) -> bool:
-        return getattr(self.tiers[ti], "device_io", None) is not None
+    def gpu_direct(self, ti: int) -> bool:
+        return self.tiers[ti].device_io is not None
 
-    def _device_fits(self, layout: EngineLayout) -> bool:
+    def device_fits(self, layout: EngineLayout) -> bool:
         pool = self.device_staging
         return pool is not None and (pool.device.type == "cuda") == layout.is_cuda
 
-    def _slab_bytes(self, layout: EngineLayout) -> int:
-        if self._device_fits(layout):
+    def slab_bytes(self, layout: EngineLayout) -> int:
+        if self.device_fits(layout):
             assert self.device_staging is not None
             return min(self.staging.slab_bytes, self.device_staging.slab_bytes)
         return self.staging.slab_bytes
 
-    def _acquire(self, layout: EngineLayout, tiers: set[int], wait: float | None) -> Slab | DeviceSlab | None:
+    def acquire(self, layout: EngineLayout, tiers: set[int], wait: float | None) -> Slab | DeviceSlab | None:
         """A device slab when every tier in ``tiers`` moves records GPU-direct and one is free now,
         else a host slab (waiting up to ``wait``)."""
-        if tiers and self._device_fits(layout) and all(self._gpu_direct(ti) for ti in tiers):
+        if tiers and self.device_fits(layout) and all(self.gpu_direct(ti) for ti in tiers):
             assert self.device_staging is not None
             slab = self.device_staging.try_acquire(0)
             if slab is not None:
                 return slab
         return self.staging.try_acquire(wait)
 
-    def _release(self, slab: Slab | DeviceSlab) -> None:
+    def release(self, slab: Slab | DeviceSlab) -> None:
         if isinstance(slab, DeviceSlab):
             assert self.device_staging is not None
             self.device_staging.release(slab)
         else:
             self.staging.release(slab)
 
-    def _admits(self, ti: int, sightings: int) -> bool:
+    def admits(self, ti: int, sightings: int) -> bool:
         return self.admission.admits(self.tiers[ti].capabilities.medium, sightings)
 
-    async def _write_slab(self, slab: Slab | DeviceSlab, rb: int,
+    async def write_slab(self, slab: Slab | DeviceSlab, rb: int,
                           plan: Sequence[tuple[int, BlockKey, Sequence[int]]], seal: Seal | None = None) -> None:
         """Write records ``plan = [(slot in slab, key, tier indexes)]`` in order, then free the slab.
         ``seal``: the second half of their encoding (``deferred_encode``), run first off the loop."""
@@ -180,17 +182,14 @@ class OffloadWrites:
                 for ti in targets:
                     by_tier.setdefault(ti, []).append((key, view))
             for ti in sorted(by_tier):
-                await self._write_tier(ti, by_tier[ti])
+                await self.write_tier(ti, by_tier[ti])
         finally:
-            self._release(slab)
+            self.release(slab)
 
-    async def _write_tier(self, ti: int, items: list[tuple[BlockKey, memoryview | DeviceSpan]]) -> None:
+    async def write_tier(self, ti: int, items: list[tuple[BlockKey, memoryview | DeviceSpan]]) -> None:
         tier = self.tiers[ti]
-        if self._condemned:  # fresh copies of records that failed verification: after their delete
-            for key, _ in items:
-                done = self._condemned.get((ti, key))
-                if done is not None:
-                    await done.wait()
+        # fresh copies of records that failed verification: after their delete
+        await self._state.wait_condemned(ti, [key for key, _ in items])
         t0 = time.perf_counter()
         try:
             await tier.write_many(items)
@@ -213,5 +212,5 @@ class OffloadWrites:
         kept = [k for k, _ in items if tier.contains(k)]
         now = time.monotonic()
         for key in kept:
-            self._ttl[ti].touch(key, now)
-        self._tell(ti, kept, stored=True)
+            self._state.ttl[ti].touch(key, now)
+        self._state.tell(ti, kept, stored=True)

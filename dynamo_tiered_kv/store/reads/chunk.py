@@ -6,7 +6,7 @@ import concurrent.futures
 import threading
 from dataclasses import dataclass, field
 
-from ...staging.device_slabs import DeviceSlab
+from ...staging.device_slabs import DeviceSlab, DeviceSpan
 from ...staging.slabs import Slab
 
 
@@ -45,3 +45,10 @@ class ChunkRead:
     frugal: bool = False  # a pacer limits the load: read in the tier's fewest requests (its CPU is the forward's)
     spans: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # tier -> read intervals
     nbytes: dict[int, int] = field(default_factory=dict)  # tier -> bytes arrived
+
+
+def slot_view(slab: Slab | DeviceSlab, offset: int, nbytes: int) -> memoryview | DeviceSpan:
+    """``nbytes`` of ``slab`` from ``offset``: a host memoryview, or a span of a device slab."""
+    if isinstance(slab, DeviceSlab):
+        return DeviceSpan(slab, offset, nbytes)
+    return memoryview(slab.array[offset:offset + nbytes])

@@ -26,7 +26,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...blocks.keys import BlockKey
@@ -57,25 +57,29 @@ def first_part(n: int, rb: int) -> int:
     return min(n - 1, max(1, round(n * FIRST_SHARE)))
 
 
-class DirectReads:
-    """Mixin of ``TieredStore``: reads of a tier's ``read_slab_now``. The attributes are the store's."""
+class DirectReader:
+    """Reads of one chunk through a tier's ``read_slab_now`` (module docstring), for the reader.
 
-    tiers: list[Tier]
-    metrics: StoreMetrics
+    ``release`` frees a slab (the writer's: host or device pool). Threads: ``read_now`` runs on the
+    calling (loading) thread; ``read_soon`` hands the read to a ``dtkv-readnow`` helper thread;
+    ``Handoff`` decides who frees each slab. Holds no state of its own besides its arguments.
+    """
 
-    def _release(self, slab: Any) -> None:
-        raise NotImplementedError
+    def __init__(self, tiers: Sequence[Tier], metrics: StoreMetrics, release: Callable[[Any], None]) -> None:
+        self.tiers = tiers
+        self.metrics = metrics
+        self._release = release
 
-    def _read_now(self, slab: Slab, rb: int, start: int, end: int, keys: Sequence[BlockKey], ti: int) -> ChunkRead:
+    def read_now(self, slab: Slab, rb: int, start: int, end: int, keys: Sequence[BlockKey], ti: int) -> ChunkRead:
         """Records ``start:end`` of a load without a deadline, read on the calling thread: no
         hand-off to another thread and back, each a wake-up that comes late on a busy CPU."""
         rd = ChunkRead(start, end, slab, None, Handoff())
         rd.fut = concurrent.futures.Future()
-        rd.fut.set_result(self._read_direct(rd, rb, keys, ti))
+        rd.fut.set_result(self.read_direct(rd, rb, keys, ti))
         rd.hand.done = True  # nothing reads into the slab any more
         return rd
 
-    def _read_soon(self, slab: Slab, rb: int, start: int, end: int, keys: Sequence[BlockKey], ti: int,
+    def read_soon(self, slab: Slab, rb: int, start: int, end: int, keys: Sequence[BlockKey], ti: int,
                    after: concurrent.futures.Future | None = None) -> ChunkRead:
         """Records ``start:end`` read on a helper thread; the caller waits for ``fut`` (bounded by
         its deadline, ``_finish_read``). With ``after`` (the previous part's read), the read starts
@@ -91,7 +95,7 @@ class DirectReads:
         def read() -> None:
             try:
                 # nobody waits for this part any more (an earlier one timed out): no I/O into its slab
-                got = [None] * n if rd.hand.abandoned else self._read_direct(rd, rb, keys, ti)
+                got = [None] * n if rd.hand.abandoned else self.read_direct(rd, rb, keys, ti)
             except BaseException as e:  # _read_direct catches tier errors: this is a bug, report it
                 if rd.hand.finish():
                     self._release(rd.slab)
@@ -120,14 +124,14 @@ class DirectReads:
             after.add_done_callback(follow)
         return rd
 
-    def _read_direct(self, rd: ChunkRead, rb: int, keys: Sequence[BlockKey], ti: int) -> list[int | None]:
+    def read_direct(self, rd: ChunkRead, rb: int, keys: Sequence[BlockKey], ti: int) -> list[int | None]:
         """Read ``rd``'s records from tier ``ti`` into its slab; each record's source (None from the
         first one missing on). Fills ``rd.spans``/``rd.nbytes`` and the read metrics."""
-        tier: Any = self.tiers[ti]
+        tier = self.tiers[ti]
         n = rd.end - rd.start
         t0 = time.perf_counter()
-        try:
-            results = tier.read_slab_now(keys[rd.start:rd.end], rd.slab.array[:n * rb], rb)
+        try:  # None: the tier has no such path (the reader only sends tiers with ``slab_reads_now``)
+            results = tier.read_slab_now(keys[rd.start:rd.end], rd.slab.array[:n * rb], rb) or []
         except Exception as e:
             self.metrics.errors.labels(tier.name, "read").inc()
             log.warning("read of %d blocks from tier %s failed: %s", n, tier.name, e)

@@ -27,7 +27,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,14 +35,18 @@ from ...blocks.codec import decode_blocks, decode_records, record_bytes
 from ...blocks.keys import BlockKey
 from ...blocks.layout import EngineLayout
 from ...policy.pacing import SLICE_BYTES, Pacer
-from ...staging.device_slabs import DeviceSlab, DeviceSpan
+from ...staging.device_slabs import DeviceSlab
 from ...staging.slabs import Slab, StagingPool
 from ...tiers.base import ReadRequest, Tier
-from ..metrics import StoreMetrics
-from .chunk import ChunkRead, Handoff
-from .direct import DirectReads, first_part
+from .chunk import ChunkRead, Handoff, slot_view
+from .direct import DirectReader, first_part
 from .fanout import fan_out
 from .stages import LoadStages
+
+if TYPE_CHECKING:
+    from ...policy.admission import Admission
+    from ..state import StoreState
+    from ..writes import OffloadWriter
 
 log = logging.getLogger("dynamo_tiered_kv.store")  # same logger as before the split: log filters keep working
 
@@ -83,66 +87,51 @@ class _ChunkDecoder:
         return out
 
 
-class ChunkReads(DirectReads):
-    """Mixin of ``TieredStore``: the load pipeline. The attributes below are the store's."""
+class ChunkReader:
+    """The restore pipeline (module docstring): the store's reader.
 
-    tiers: list[Tier]
-    metrics: StoreMetrics
-    staging: StagingPool
-    admission: Any
-    write_depth: int
-    load_chunk_bytes: int
-    load_first_chunk_bytes: int
-    load_depth: int
-    load_direct_bytes: int = LOAD_DIRECT_BYTES
-    _loop: asyncio.AbstractEventLoop
-    _ns_digest: bytes
-    _closed: bool
-    _holds: Callable[[int, BlockKey], bool]
+    Built by ``TieredStore`` with the shared ``StoreState`` (tiers, metrics, loop, condemned
+    records, pending promotions), the staging pool, the writer (slab choice, promotions into
+    faster tiers) and the admission policy (which tiers a loaded block is promoted into).
+    Threads: ``load_pipelined`` and the verify+scatter run on the calling (loading) thread, the
+    chunk reads on the store's loop or a ``dtkv-readnow`` helper; ``_read_gates`` is the loop's.
+    """
 
-    def _release(self, slab: Slab | DeviceSlab) -> None:
-        raise NotImplementedError
-
-    def _gpu_direct(self, ti: int) -> bool:
-        raise NotImplementedError
-
-    def _device_fits(self, layout: EngineLayout) -> bool:
-        raise NotImplementedError
-
-    def _slab_bytes(self, layout: EngineLayout) -> int:
-        raise NotImplementedError
-
-    def _acquire(self, layout: EngineLayout, tiers: set[int], wait: float | None) -> Slab | DeviceSlab | None:
-        raise NotImplementedError
-
-    def _schedule(self, coro, *, reserved: bool = False) -> None:
-        raise NotImplementedError
-
-    def _admits(self, ti: int, sightings: int) -> bool:
-        raise NotImplementedError
-
-    async def _write_slab(self, slab, rb, plan) -> None:
-        raise NotImplementedError
-
-    def _condemn(self, ti: int, key: BlockKey) -> None:
-        raise NotImplementedError
+    def __init__(self, state: StoreState, staging: StagingPool, writer: OffloadWriter, admission: Admission, *,
+                 write_depth: int, ns_digest: bytes, load_chunk_bytes: int, load_first_chunk_bytes: int,
+                 load_depth: int, load_direct_bytes: int = LOAD_DIRECT_BYTES) -> None:
+        self._state = state
+        self.tiers = state.tiers
+        self.metrics = state.metrics
+        self.staging = staging
+        self._writer = writer
+        self.admission = admission
+        self.write_depth = write_depth
+        self._ns_digest = ns_digest
+        self.load_chunk_bytes = load_chunk_bytes
+        self.load_first_chunk_bytes = load_first_chunk_bytes
+        self.load_depth = max(1, load_depth)
+        self.load_direct_bytes = load_direct_bytes
+        self._direct = DirectReader(self.tiers, self.metrics, writer.release)
+        self._read_gates: dict[int, asyncio.Semaphore] = {}  # loop thread only
 
     # --- caller side ---------------------------------------------------------------------------
-    def _load_pipelined(self, layout: EngineLayout, block_ids: Sequence[int], keys: Sequence[BlockKey],
+    def load_pipelined(self, layout: EngineLayout, block_ids: Sequence[int], keys: Sequence[BlockKey],
                         timeout: float | None, loaded: list[int], tiers_of: list[str], st: LoadStages,
                         pacer: Pacer | None = None, decode_threads: int | None = None) -> None:
         """Fill ``loaded``/``tiers_of`` with the restored prefix, ``st`` with the stage timings."""
         n = len(block_ids)
         deadline = None if timeout is None else time.monotonic() + timeout
         rb = record_bytes(layout.shape)
-        per_chunk = min(self._slab_bytes(layout) // rb, max(1, self.load_chunk_bytes // rb))
-        src = {self._fastest(k) for k in keys}
+        per_chunk = min(self._writer.slab_bytes(layout) // rb, max(1, self.load_chunk_bytes // rb))
+        src = {self._state.fastest(k) for k in keys}
         tier_chunk = self._tier_chunk_bytes(src)
         if tier_chunk is not None:  # a tier whose requests cost more than overlap gains: its size
-            per_chunk = min(self._slab_bytes(layout) // rb, max(1, tier_chunk // rb))
+            per_chunk = min(self._writer.slab_bytes(layout) // rb, max(1, tier_chunk // rb))
         only_ti = next(iter(src)) if len(src) == 1 else None
-        direct_ti = only_ti if only_ti is not None and hasattr(self.tiers[only_ti], "read_slab_now") else None
-        if direct_ti is not None and per_chunk < n <= min(self._slab_bytes(layout), self.load_direct_bytes) // rb:
+        direct_ti = only_ti if only_ti is not None and self.tiers[only_ti].slab_reads_now else None
+        direct_max = min(self._writer.slab_bytes(layout), self.load_direct_bytes)
+        if direct_ti is not None and per_chunk < n <= direct_max // rb:
             per_chunk = n
         # a small first chunk lets verify+scatter start while the rest is read; a load of at most
         # one chunk from a tier that reads on the caller: read there, in two parts when large
@@ -173,23 +162,23 @@ class ChunkReads(DirectReads):
                 left = n - next_i
                 chunks = -(-left // per_chunk)
                 end = next_i + -(-left // chunks)
-            sources = {self._fastest(k) for k in keys[next_i:end]}
+            sources = {self._state.fastest(k) for k in keys[next_i:end]}
             # GPU-direct only when every block of the chunk is in a GPU-direct tier (else host staging)
-            gd = sources if self._device_fits(layout) and None not in sources else set()
-            slab = self._acquire(layout, gd, wait)  # type: ignore[arg-type]
+            gd = sources if self._writer.device_fits(layout) and None not in sources else set()
+            slab = self._writer.acquire(layout, gd, wait)  # type: ignore[arg-type]
             if slab is None:
                 return False
             only = next(iter(sources)) if len(sources) == 1 else None
             if (only is not None and in_place_ok and not isinstance(slab, DeviceSlab)
-                    and getattr(self.tiers[only], "reads_in_place", False)):
+                    and self.tiers[only].reads_in_place):
                 inflight.append(ChunkRead(next_i, end, slab, None, Handoff(), in_place=only))
             elif only is not None and only == direct_ti and isinstance(slab, Slab):
                 # with a deadline, read on a helper the caller stops waiting for at the deadline
                 # (a stalled device must not hold the engine's thread); parts in sequence
                 if next_i == 0 and deadline is None:
-                    rd = self._read_now(slab, rb, next_i, end, keys, only)
+                    rd = self._direct.read_now(slab, rb, next_i, end, keys, only)
                 else:
-                    rd = self._read_soon(slab, rb, next_i, end, keys, only, after)
+                    rd = self._direct.read_soon(slab, rb, next_i, end, keys, only, after)
                 after = rd.fut
                 inflight.append(rd)
             else:
@@ -199,7 +188,7 @@ class ChunkReads(DirectReads):
             return True
 
         try:
-            while per_chunk > 0 and not self._closed:
+            while per_chunk > 0 and not self._state.closed:
                 if not inflight and (next_i >= n or not start(remaining())):
                     break
                 # read ahead into slabs free right now, leaving one for offloads; while the pacer
@@ -289,13 +278,13 @@ class ChunkReads(DirectReads):
             pin.release()
             st.decode_s += time.perf_counter() - t1
         if ok < want:
-            self._release(slab)
+            self._writer.release(slab)
         elif want < rd.end - rd.start:
             pass  # records left the host tier since the chunk was planned: the caller reads them into the slab
         elif promote:
-            self._schedule(self._write_slab(slab, rb, promote))
+            self._state.schedule(self._writer.write_slab(slab, rb, promote))
         else:
-            self._release(slab)
+            self._writer.release(slab)
         return ok, want
 
     def _decode_chunk(self, layout: EngineLayout, rd: ChunkRead, sources: list[int | None],
@@ -321,15 +310,15 @@ class ChunkReads(DirectReads):
                                                                   namespace=self._ns_digest, keys=ks[a:b]))
         except Exception:  # not a bad record but a broken decode (e.g. CUDA OOM): fail the rest, keep serving
             log.exception("decoding a load chunk failed; its blocks will be recomputed")
-            self._release(slab)
+            self._writer.release(slab)
             return 0
         promote: list[tuple[int, BlockKey, list[int]]] = []
         ok = self._account(start, sources[:n_read], errors, block_ids, keys, loaded, tiers_of,
                            None if isinstance(slab, DeviceSlab) else promote)
         if promote:
-            self._schedule(self._write_slab(slab, rb, promote))
+            self._state.schedule(self._writer.write_slab(slab, rb, promote))
         else:
-            self._release(slab)
+            self._writer.release(slab)
         return ok
 
     def _account(self, start: int, sources: Sequence[int | None], errors: Sequence[Any],
@@ -348,7 +337,7 @@ class ChunkReads(DirectReads):
                 log.warning("block %s from tier %s failed verification (%s); recomputing", k.hex(), name, e)
                 self.metrics.checksum_failures.labels(name).inc()
                 self.metrics.misses.labels(name).inc()
-                self._condemn(src, k)
+                self._state.condemn(src, k)
                 break
             hits[name] = hits.get(name, 0) + 1
             loaded.append(block_ids[start + j])
@@ -356,7 +345,7 @@ class ChunkReads(DirectReads):
             ok += 1
             seen = self.admission.sight(k)
             targets = [ti for ti in range(self.write_depth)
-                       if ti != src and not self._holds(ti, k) and self._admits(ti, seen)]
+                       if ti != src and not self._state.holds(ti, k) and self._writer.admits(ti, seen)]
             if targets and promote is not None:
                 promote.append((j, k, targets))
         for name, c in hits.items():  # one metric update per chunk, not per block
@@ -367,7 +356,7 @@ class ChunkReads(DirectReads):
     def _start_read(self, slab: Slab | DeviceSlab, rb: int, start: int, end: int,
                     keys: Sequence[BlockKey], frugal: bool = False) -> ChunkRead:
         rd = ChunkRead(start, end, slab, None, Handoff(), frugal=frugal)
-        rd.fut = asyncio.run_coroutine_threadsafe(self._read_into_slab(rd, rb, keys), self._loop)
+        rd.fut = asyncio.run_coroutine_threadsafe(self._read_into_slab(rd, rb, keys), self._state.loop)
         return rd
 
     def _finish_read(self, rd: ChunkRead, timeout: float | None) -> list[int | None] | None:
@@ -386,11 +375,11 @@ class ChunkReads(DirectReads):
                 return rd.fut.result()  # it finished just now
             except Exception:
                 log.exception("load read failed")
-                self._release(rd.slab)
+                self._writer.release(rd.slab)
                 return None
         except Exception:
             log.exception("load read failed")
-            self._release(rd.slab)  # the reader finished (with an error): it never frees the slab
+            self._writer.release(rd.slab)  # the reader finished (with an error): it never frees the slab
             return None
 
     def _abandon(self, rd: ChunkRead) -> None:
@@ -399,7 +388,7 @@ class ChunkReads(DirectReads):
             if rd.fut is not None and not rd.hand.done:
                 rd.hand.abandoned = True
                 return
-        self._release(rd.slab)  # the reader is past its I/O (or there is none) and never frees a slab
+        self._writer.release(rd.slab)  # the reader is past its I/O (or there is none) and never frees a slab
 
     async def _read_into_slab(self, rd: ChunkRead, rb: int, keys: Sequence[BlockKey]) -> list[int | None]:
         sources: list[int | None] = [None] * len(keys)
@@ -408,12 +397,12 @@ class ChunkReads(DirectReads):
             pieces: list[tuple[int, int, int]] = []
             j = 0
             while j < len(keys):
-                ti = self._fastest(keys[j])
+                ti = self._state.fastest(keys[j])
                 if ti is None:
                     self.metrics.misses.labels("none").inc()
                     break
                 run_end = j + 1
-                while run_end < len(keys) and self._fastest(keys[run_end]) == ti:
+                while run_end < len(keys) and self._state.fastest(keys[run_end]) == ti:
                     run_end += 1
                 par, piece = self._read_shape(ti, rd.frugal)
                 pieces.extend((ti, a, b) for a, b in _split(j, run_end, rb, par, piece))
@@ -430,14 +419,14 @@ class ChunkReads(DirectReads):
             return sources
         finally:
             if rd.hand.finish():
-                self._release(rd.slab)
+                self._writer.release(rd.slab)
 
     def _tier_chunk_bytes(self, sources: set[int | None]) -> int | None:
         """The chunk size every tier in ``sources`` asks for (``load_chunk_bytes``: host memory's,
         the object tier's), the smallest if several; None when one asks none (None: no source)."""
         sizes = []
         for ti in sources:
-            size = None if ti is None else getattr(self.tiers[ti], "load_chunk_bytes", None)
+            size = None if ti is None else self.tiers[ti].load_chunk_bytes
             if not size:
                 return None
             sizes.append(int(size))
@@ -449,10 +438,10 @@ class ChunkReads(DirectReads):
         ``frugal``: pieces of at least the tier's ``frugal_piece_bytes`` (fewer requests for the
         same bytes; the SSD tier's cost a third less CPU and arrive a little later)."""
         t = self.tiers[ti]
-        par = getattr(t, "read_parallelism", None) or getattr(t, "max_concurrency", None) or 1
-        piece = getattr(t, "read_piece_bytes", None) or MIN_PIECE_BYTES
+        par = t.read_parallelism or t.max_concurrency or 1
+        piece = t.read_piece_bytes or MIN_PIECE_BYTES
         if frugal:
-            piece = max(piece, getattr(t, "frugal_piece_bytes", None) or piece)
+            piece = max(piece, t.frugal_piece_bytes or piece)
         return max(1, int(par)), max(1, int(piece))
 
     def _read_gate(self, ti: int) -> asyncio.Semaphore | None:  # loop thread only (its map too)
@@ -460,27 +449,21 @@ class ChunkReads(DirectReads):
         started first come first served: a load's earlier pieces are not slowed down by its
         read-ahead sharing the device with them, so chunks arrive in order (a device shared fairly
         between four chunks finishes all four late, and the caller waits on the first)."""
-        par = getattr(self.tiers[ti], "read_parallelism", None)
+        par = self.tiers[ti].read_parallelism
         if not par:
             return None
-        gates: dict[int, asyncio.Semaphore] = self.__dict__.setdefault("_read_gates", {})
+        gates = self._read_gates
         gate = gates.get(ti)
         if gate is None:
             gate = gates[ti] = asyncio.Semaphore(max(1, int(par)))
         return gate
-
-    def _fastest(self, key: BlockKey) -> int | None:
-        for ti in range(len(self.tiers)):
-            if self._holds(ti, key):
-                return ti
-        return None
 
     async def _read_run(self, ti: int, rd: ChunkRead, rb: int, keys: Sequence[BlockKey], start: int,
                         end: int) -> int:
         """Read keys[start:end] from tier ``ti`` into slab slots; return how many leading ones arrived."""
         tier = self.tiers[ti]
         slab = rd.slab
-        if isinstance(slab, DeviceSlab) and not self._gpu_direct(ti):
+        if isinstance(slab, DeviceSlab) and not self._writer.gpu_direct(ti):
             self.metrics.misses.labels(tier.name).inc(end - start)
             return 0  # moved to a tier without GPU-direct (or the path failed) since the chunk started
         gate = self._read_gate(ti)
@@ -499,9 +482,8 @@ class ChunkReads(DirectReads):
         slab = rd.slab
         t0 = time.perf_counter()
         try:
-            read_slab = getattr(tier, "read_slab", None)
-            if read_slab is not None and isinstance(slab, Slab):  # no request or view per record
-                results = await read_slab(keys[start:end], slab.array[start * rb:end * rb], rb)
+            if isinstance(slab, Slab):  # no request or view per record where the tier has such a path
+                results = await tier.read_slab(keys[start:end], slab.array[start * rb:end * rb], rb)
             else:
                 results = await tier.read_many([ReadRequest(keys[j], slot_view(slab, j * rb, rb))
                                                 for j in range(start, end)])
@@ -547,9 +529,3 @@ def _union(spans: list[tuple[float, float]]) -> float:
     if cur_b is not None and cur_a is not None:
         total += cur_b - cur_a
     return total
-
-
-def slot_view(slab: Slab | DeviceSlab, offset: int, nbytes: int) -> memoryview | DeviceSpan:
-    if isinstance(slab, DeviceSlab):
-        return DeviceSpan(slab, offset, nbytes)
-    return memoryview(slab.array[offset:offset + nbytes])
