@@ -261,6 +261,17 @@ class CompactObjectIndex:
         for k in [k for k, v in g.delta.items() if v[0] in drop]:
             del g.delta[k]
 
+    def keys_of(self, objs: np.ndarray) -> list[bytes]:
+        """The live keys of the given object ids (before ``remove_objects`` drops them)."""
+        if len(objs) == 0:
+            return []
+        g = self._pub
+        hit = np.isin(g.obj, objs) & (g.obj != DEAD)
+        raw = join_keys(g.k0[hit], g.k1[hit])
+        drop = set(int(o) for o in objs)
+        return [raw[i:i + 16] for i in range(0, len(raw), 16)] + [k for k, v in g.delta.copy().items()
+                                                                   if v[0] in drop]
+
     def keys(self) -> Iterator[bytes]:
         g = self._pub
         obj = g.obj.copy()  # one moment's liveness, the same length as the keys

@@ -526,8 +526,10 @@ class ObjectTier(ObjectWrites, Tier):
             return
         victims = cat.oldest_until(cat.used - self.capacity_bytes, object_ranks(self._retention, cat))
         names = [cat.manifest_name(int(i)) for i in victims]
+        gone = cat.index.keys_of(np.asarray(victims, dtype=np.int64)) if self._residency_hook is not None else []
         cat.forget(victims)
         self.stats.evicted_objects += len(names)
+        self._report_evicted(gone)
         for n in names:
             self._spawn(self.backend.delete(n))  # data is left for gc (grace period)
 
