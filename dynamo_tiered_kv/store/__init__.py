@@ -1,6 +1,6 @@
-"""``TieredStore``: the facade over the tiers (``store``), its offload path (``writes``,
-``deferred_encode``), its restore pipeline (``reads``), its retention API (``retention``), its
-shutdown (``lifecycle``) and its metrics (``metrics``).
+"""``TieredStore``: the facade over the tiers (``store``) and the parts it builds: its writer
+(``writes``, ``deferred_encode``), its reader (``reads``), its retention service (``retention``),
+the state they share (``state``), its shutdown (``lifecycle``) and its metrics (``metrics``).
 """
 
 from .store import TieredStore

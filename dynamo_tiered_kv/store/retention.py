@@ -15,14 +15,14 @@
   and its host blocks that no holder protects any more go down to the next written tier
   (written there first if missing) and leave the host tier; a block another holder still
   protects stays where it is.
-* ``expire(now)``: one GC pass: blocks whose retention expired leave every tier, byte-bounded
-  (the object tier also drops objects past their TTL, ``tiers/objectstore/expiry.py``). A tier
-  gets each batch as one ``delete_many``; the SSD tier then frees the records' disk bytes and,
-  at the end of the pass, seals its open segment if expired records lie in it, so no byte of
-  an expired block is left on disk after the pass (``tiers/ssd/reclaim.py``).
+* ``expire(now)``: one GC pass: each tier's own ``Tier.expire`` (blocks whose retention expired
+  leave the tier, byte-bounded; the SSD tier also frees their disk bytes and seals its open
+  segment if expired records lie in it; the object tier also drops objects past their TTL).
+  Tiers report what they dropped to their residency hook, which forgets the store's TTL tracking
+  and tells the residency listener.
 
 Threads: ``retain`` runs on the caller's thread (the retention tables have their own locks);
-``prefetch``/``demote`` queue work on the loop; ``expire`` runs on the loop.
+``prefetch``/``demote`` queue work on the loop; ``expire`` runs on the loop (``RetentionService``).
 """
 
 from __future__ import annotations

@@ -190,7 +190,9 @@ class TieredStore:
                                           clock=clock, sweep_interval_s=sweep_interval_s,
                                           expire_interval_s=expire_interval_s, expire_pass_bytes=EXPIRE_PASS_BYTES)
         self.set_residency(on_residency)
-        self._thread = threading.Thread(target=self._loop.run_forever, name="dtkv-store", daemon=True)
+        # the thread runs a method of the store: while the loop runs, the store stays alive even when
+        # nobody else holds it, so the exit hook (which tracks stores weakly) still closes it
+        self._thread = threading.Thread(target=self._run_loop, name="dtkv-store", daemon=True)
         self._thread.start()
         self._call(self._start(), timeout=120)
         lifecycle.track(self)  # a process that ends without close() still drains, seals, hands over
@@ -203,6 +205,9 @@ class TieredStore:
             self._state.bg_tasks.append(asyncio.ensure_future(lifecycle.run_background(b)))
         for name, coro in self.retention.background():
             self._state.bg_tasks.append(asyncio.create_task(coro, name=name))
+
+    def _run_loop(self) -> None:
+        self._loop.run_forever()
 
     def _call(self, coro, timeout: float | None = None):
         return self._state.call(coro, timeout)
