@@ -141,21 +141,37 @@ def probe_gds(directory: Path | None = None) -> GdsVerdict:
         return GdsVerdict(False, f"probe failed: {type(e).__name__}: {e}", "none")
 
 
-_GDS: GdsVerdict | None = None
+#: verdicts by filesystem (``st_dev`` of the self-test directory): whether cuFile can do true
+#: GPUDirect depends on the filesystem a file lives on, so one SSD directory's verdict says
+#: nothing of another's on a different filesystem
+_VERDICTS: dict[int | str, GdsVerdict] = {}
 _GDS_LOCK = threading.Lock()
 
 
+def _filesystem_of(directory: Path | None) -> int | str:
+    """The cache key of ``directory`` (the temp directory when None): its filesystem's device
+    number; its path when it cannot be created or stat'ed (the probe then fails there honestly)."""
+    where = Path(directory) if directory is not None else Path(tempfile.gettempdir())
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        return os.stat(where).st_dev
+    except OSError:
+        return str(where.resolve())
+
+
 def gds_verdict(directory: Path | None = None) -> GdsVerdict:
-    """Probe GPUDirect Storage once per process (the first caller's ``directory`` holds the
-    self-test file); say loudly when it is not usable."""
-    global _GDS
+    """Probe GPUDirect Storage once per filesystem, with the self-test file in ``directory`` (the
+    SSD tier's own directory; None: the temp directory); say loudly when it is not usable.
+    Thread-safe: concurrent callers for one filesystem wait for one probe."""
+    key = _filesystem_of(directory)
     with _GDS_LOCK:
-        if _GDS is None:
-            _GDS = probe_gds(directory)
-            metrics.GDS_AVAILABLE.set(1 if _GDS.available else 0)
-            if _GDS.available:
-                log.info("SSD tier: GPUDirect Storage (%s): %s", _GDS.mode, _GDS.reason)
+        got = _VERDICTS.get(key)
+        if got is None:
+            got = _VERDICTS[key] = probe_gds(directory)
+            metrics.GDS_AVAILABLE.set(1 if got.available else 0)
+            if got.available:
+                log.info("SSD tier: GPUDirect Storage (%s): %s", got.mode, got.reason)
             else:
                 log.warning("SSD tier: GPUDirect Storage unavailable (mode %s: %s); GPU blocks take the host-bounce "
-                            "path through staging slabs", _GDS.mode, _GDS.reason)
-        return _GDS
+                            "path through staging slabs", got.mode, got.reason)
+        return got

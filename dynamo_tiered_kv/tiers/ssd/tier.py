@@ -192,7 +192,7 @@ class SSDTier(SegmentSourceMixin, ReadPathMixin, ReclaimMixin, TombstoneLogMixin
             self._io = select_io(self.rank_dir, self._io_mode)
             self._probe_fs_block()
             metrics.IO_PATH.labels(self._io.name).set(1)
-            self.gds = gds_verdict()
+            self.gds = gds_verdict(self.rank_dir)  # the self-test file goes where this tier's segments go
             if self._device_io is not None:
                 self._check_gpu_direct()
             self._recover()
