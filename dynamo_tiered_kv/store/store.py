@@ -169,6 +169,7 @@ class TieredStore:
         self.device_staging = device_staging
         self.admission = admission if isinstance(admission, Admission) else Admission(admission,
                                                                                        min_prefix_blocks)
+        self.max_pending_offloads = max_pending_offloads
         self.write_depth = max(1, min(write_depth, len(self.tiers)))
         ttls = list(ttl_s or [])
         ttl = [Retention(ttls[i] if i < len(ttls) else None, t.contains, _block_count(t))
