@@ -32,7 +32,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiobotocore.config import AioConfig
@@ -62,6 +62,7 @@ _TRANSIENT_CODES = {"SlowDown", "RequestTimeout", "RequestTimeTooSkewed", "Inter
                     "ServiceUnavailable", "Throttling", "ThrottlingException", "RequestLimitExceeded",
                     "TooManyRequests", "BadDigest", "IncompleteBody"}
 _MISSING_CODES = {"404", "NoSuchKey", "NotFound", "InvalidRange", "416"}
+_T = TypeVar("_T")
 
 
 class _ShortBody(Exception):
@@ -87,6 +88,17 @@ def is_transient(e: BaseException) -> bool:
 
 def _missing(e: ClientError) -> bool:
     return _code(e) in _MISSING_CODES or _status(e) in (404, 416)
+
+
+async def or_missing(call: Awaitable[_T]) -> _T | None:
+    """``call``'s result, or None when S3 answers that the object (or the range asked for) is not
+    there (404, NoSuchKey, NotFound, 416/InvalidRange). Every other error propagates."""
+    try:
+        return await call
+    except ClientError as e:
+        if _missing(e):
+            return None
+        raise
 
 
 class S3Backend(ObjectBackend):
@@ -381,13 +393,10 @@ class S3Backend(ObjectBackend):
                     self.stats.direct_fallbacks += 1
                     log.warning("%s: ranged GETs go through aiobotocore from now on: %s", self.url, e)
                     await direct.close()
-            try:
-                resp = await self._client.get_object(Bucket=self.bucket, Key=key,
-                                                     Range=f"bytes={offset}-{offset + total - 1}")
-            except ClientError as e:
-                if _missing(e):
-                    return None
-                raise
+            resp = await or_missing(self._client.get_object(Bucket=self.bucket, Key=key,
+                                                            Range=f"bytes={offset}-{offset + total - 1}"))
+            if resp is None:
+                return None
             body = resp["Body"]
             try:
                 if int(resp.get("ContentLength", -1)) != total:
@@ -417,12 +426,9 @@ class S3Backend(ObjectBackend):
         key = self._key(name)
 
         async def attempt() -> bytes | None:
-            try:
-                resp = await self._client.get_object(Bucket=self.bucket, Key=key)
-            except ClientError as e:
-                if _missing(e):
-                    return None
-                raise
+            resp = await or_missing(self._client.get_object(Bucket=self.bucket, Key=key))
+            if resp is None:
+                return None
             async with resp["Body"] as body:
                 data = await body.read()
             if len(data) != int(resp.get("ContentLength", len(data))):
@@ -439,12 +445,9 @@ class S3Backend(ObjectBackend):
         key = self._key(name)
 
         async def attempt() -> ObjectInfo | None:
-            try:
-                r = await self._client.head_object(Bucket=self.bucket, Key=key)
-            except ClientError as e:
-                if _missing(e):
-                    return None
-                raise
+            r = await or_missing(self._client.head_object(Bucket=self.bucket, Key=key))
+            if r is None:
+                return None
             return ObjectInfo(name, int(r["ContentLength"]), r["LastModified"].timestamp())
 
         self.stats.heads += 1
@@ -483,13 +486,7 @@ class S3Backend(ObjectBackend):
         key = self._key(name)
 
         async def attempt() -> bool:
-            try:
-                await self._client.delete_object(Bucket=self.bucket, Key=key)
-            except ClientError as e:
-                if _missing(e):
-                    return False
-                raise
-            return True
+            return await or_missing(self._client.delete_object(Bucket=self.bucket, Key=key)) is not None
 
         self.stats.deletes += 1
         return await self._call(attempt, f"DELETE {key}")
