@@ -65,13 +65,14 @@ class TieredKVConnector(KVConnectorBase_V1):
                                             kv_events=bool(kec is not None and kec.enable_kv_cache_events))
         else:
             mc = vllm_config.model_config
-            tp_rank = _tp_rank()
+            tp_size = int(pc.tensor_parallel_size)
+            pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+            tp_rank = _rank("tensor", tp_size)
             self._worker = WorkerRole(
                 self.config, model_id=model_id, kv_dtype=_kv_dtype(vllm_config), block_size=block_size,
                 num_kv_heads=int(mc.get_num_kv_heads(pc)), head_size=int(mc.get_head_size()), tp_rank=tp_rank,
-                tp_size=int(pc.tensor_parallel_size), engine_key=key, authkey=authkey,
-                is_mla=bool(getattr(mc, "use_mla", False)), pp_rank=_pp_rank(),
-                pp_size=int(getattr(pc, "pipeline_parallel_size", 1) or 1),
+                tp_size=tp_size, engine_key=key, authkey=authkey,
+                is_mla=bool(getattr(mc, "use_mla", False)), pp_rank=_rank("pipeline", pp_size), pp_size=pp_size,
                 dp_rank=int(getattr(pc, "data_parallel_rank", 0) or 0),
             )
 
@@ -197,19 +198,17 @@ def _refuse_context_parallel(parallel_config: Any) -> None:
             "cannot name; run with both at 1 or without the connector")
 
 
-def _tp_rank() -> int:
+def _rank(kind: str, size: int) -> int:
+    """This worker's tensor- or pipeline-parallel rank, from vLLM's distributed state.
+
+    With more than one rank of ``kind``, an unknown rank is refused rather than taken as 0: every
+    rank would then write its shard under the same keys into the shared object tier."""
     try:
-        from vllm.distributed import get_tensor_model_parallel_rank
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
-        return int(get_tensor_model_parallel_rank())
-    except Exception:  # not initialised (unit tests)
-        return 0
-
-
-def _pp_rank() -> int:
-    try:
-        from vllm.distributed import get_pp_group
-
-        return int(get_pp_group().rank_in_group)
-    except Exception:  # not initialised (unit tests)
-        return 0
+        return int(get_tensor_model_parallel_rank() if kind == "tensor" else get_pp_group().rank_in_group)
+    except Exception as e:
+        if size == 1:
+            return 0  # one rank: nothing to tell apart (a worker built outside vLLM's distributed init)
+        raise ConfigError(f"TieredKVConnector: this worker's {kind}-parallel rank is unknown ({type(e).__name__}: "
+                          f"{e}) with {kind}-parallel size {size}; every rank would write the same keys") from e
