@@ -262,6 +262,26 @@ class TierConformanceTests:
             n2 = await tier.read_into(items[1][0], memoryview(b2), rng)
             assert n1 == n2 == length and bytes(b1) == bytes(b2) == items[1][1][start:start + length]
 
+    async def test_records_read_in_place_match_the_stored_bytes(self, tier: Tier) -> None:
+        """Where ``reads_in_place``, ``pin_records`` shows the leading present records' bytes (a copy
+        only through ``spill``); elsewhere it refuses."""
+        await _ready(tier)
+        items = [_rec(700 + i) for i in range(3)]
+        await tier.write_many([(k, memoryview(v)) for k, v in items])
+        rb = len(items[0][1])
+        spill = np.zeros(len(items) * rb, dtype=np.uint8)
+        keys = [k for k, _ in items[:2]] + [random_key(777_777), items[2][0]]
+        if not tier.reads_in_place:
+            with pytest.raises(NotImplementedError):
+                tier.pin_records(keys, lambda j: spill[j * rb:(j + 1) * rb])
+            return
+        views, pin = tier.pin_records(keys, lambda j: spill[j * rb:(j + 1) * rb])
+        try:
+            assert [v.tobytes() for v in views] == [v for _, v in items[:2]]  # stops at the absent key
+        finally:
+            pin.release()
+            pin.release()  # idempotent
+
     async def test_seal_is_idempotent_and_keeps_records_readable(self, tier: Tier) -> None:
         items = [_rec(700 + i, size_class=i) for i in range(3)]
         await tier.write_many((k, memoryview(v)) for k, v in items)

@@ -97,6 +97,12 @@ class TierExpiry:
     bytes: int = 0
 
 
+class RecordPin(Protocol):
+    """Records ``Tier.pin_records`` returned in place; ``release`` once they are no longer read."""
+
+    def release(self) -> None: ...
+
+
 class Tier(abc.ABC):
     """One storage tier (module docstring). Subclasses implement the abstract methods; every other
     member has a default that describes a plain tier.
@@ -161,7 +167,8 @@ class Tier(abc.ABC):
 
     @property
     def reads_in_place(self) -> bool:
-        """Whether records may be verified where the tier keeps them (host memory)."""
+        """Whether records may be verified where the tier keeps them (host memory): then
+        ``pin_records`` is implemented."""
         return False
 
     @property
@@ -201,6 +208,13 @@ class Tier(abc.ABC):
         """``read_slab`` on the calling thread (blocking), where the tier has such a path
         (``slab_reads_now``); None: it has none, use ``read_slab``."""
         return None
+
+    def pin_records(self, keys: Sequence[BlockKey],
+                    spill: Callable[[int], np.ndarray]) -> tuple[list[np.ndarray], RecordPin]:
+        """Views of the records of the leading ``keys`` present (stopping at the first absent one),
+        where the tier keeps them, valid until the returned pin is released; a record the tier
+        cannot show in place is copied into ``spill(j)``. Only called when ``reads_in_place``."""
+        raise NotImplementedError(f"{type(self).__name__} does not read in place (reads_in_place is False)")
 
     # --- writes and deletes -----------------------------------------------------------------
     @abc.abstractmethod

@@ -247,7 +247,7 @@ class ChunkReader:
         not found any more are left to a normal read of the rest of the chunk into ``rd.slab``."""
         ti = rd.in_place
         assert ti is not None and isinstance(rd.slab, Slab)
-        tier: Any = self.tiers[ti]
+        tier = self.tiers[ti]
         slab = rd.slab
         t0 = time.perf_counter()
         views, pin = tier.pin_records(keys[rd.start:rd.end], lambda j: slab.array[j * rb:(j + 1) * rb])
