@@ -97,16 +97,23 @@ def check_record_fits(config: TieredKVConfig, shape: BlockShape, unit: str) -> N
                           f"model ({need} bytes): set staging_slab_bytes to at least {need}")
 
 
+def worker_rank(*, tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1, dp_rank: int = 0) -> int:
+    """The one rank a worker process of a host is known by: its SSD directory (``rank-NNN``) and its
+    metrics port offset. Unique over data x pipeline x tensor parallelism, data outermost."""
+    return (dp_rank * pp_size + pp_rank) * tp_size + tp_rank
+
+
 def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | None = None) -> TieredStore:
     """Construct tiers, staging, flusher and metrics from ``config`` (does I/O: opens tiers).
 
     ``rank`` names this process's SSD subdirectory and offsets its metrics port; it must be unique
-    among the workers of a host (global rank over DP x PP x TP). Default: the namespace's position
-    in its pipeline stage and TP group.
+    among the workers of a host (``worker_rank``). Default: the namespace's position in its
+    pipeline stage and TP group (a caller with data parallelism passes ``worker_rank(dp_rank=...)``).
     """
     ensure_visible()  # the start-up lines below show under an engine that configures only its own logger
     if rank is None:
-        rank = namespace.pp_rank * namespace.tp_size + namespace.tp_rank
+        rank = worker_rank(tp_rank=namespace.tp_rank, tp_size=namespace.tp_size, pp_rank=namespace.pp_rank,
+                           pp_size=namespace.pp_size)
     tiers: list[Tier] = []
     ttls: list[float | None] = []
     if config.host_capacity_bytes:

@@ -186,3 +186,18 @@ def test_observability_failures_never_fail_build_store(tmp_path: Path, monkeypat
             store.close()
     finally:
         held.close()
+
+
+def test_worker_rank_is_one_formula_for_every_adapter() -> None:
+    """Data outermost, then pipeline, then tensor: unique per worker of a host for every shape."""
+    from dynamo_tiered_kv.connectors.sglang.identity import Ranks
+    from dynamo_tiered_kv.factory import worker_rank
+
+    seen = set()
+    for dp in range(2):
+        for pp in range(3):
+            for tp in range(4):
+                r = worker_rank(tp_rank=tp, tp_size=4, pp_rank=pp, pp_size=3, dp_rank=dp)
+                assert Ranks(tp_rank=tp, tp_size=4, pp_rank=pp, pp_size=3, dp_rank=dp).process_rank == r
+                seen.add(r)
+    assert seen == set(range(24))

@@ -28,6 +28,7 @@ from typing import Any
 from ...blocks.keys import ROOT_KEY, BlockKey, Namespace, engine_block_key
 from ...blocks.layout import BlockShape
 from ...errors import ConfigError
+from ...factory import worker_rank
 from ..common.identity import hub_commit as vllm_hub_commit
 from ..common.identity import weights_fingerprint
 from .epoch import served_weight_version
@@ -60,7 +61,8 @@ class Ranks:
     @property
     def process_rank(self) -> int:
         """Unique per worker process of a host: names its SSD directory, offsets its metrics port."""
-        return (self.dp_rank * self.pp_size + self.pp_rank) * self.tp_size + self.tp_rank
+        return worker_rank(tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
+                           dp_rank=self.dp_rank)
 
 
 def ranks_of(storage_config: Any) -> Ranks:

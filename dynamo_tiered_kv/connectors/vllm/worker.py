@@ -13,7 +13,7 @@ from ...blocks.keys import ROOT_KEY, Namespace, engine_block_key
 from ...blocks.layout import EngineLayout
 from ...config import TieredKVConfig
 from ...errors import LayoutMismatch
-from ...factory import build_store, check_record_fits
+from ...factory import build_store, check_record_fits, worker_rank
 from ...hints import HintStats
 from ...policy.pacing import StepShare
 from ...policy.residency import medium_of
@@ -103,7 +103,8 @@ class WorkerRole:
                                    pp_rank=self.pp_rank, pp_size=self.pp_size)
         check_record_fits(self.config, layout.shape, "block")
         # Unique per worker process on the host: names its SSD directory and offsets its metrics port.
-        rank = (self.dp_rank * self.pp_size + self.pp_rank) * self.tp_size + self.tp_rank
+        rank = worker_rank(tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
+                           dp_rank=self.dp_rank)
         self.store = build_store(self.config, self.namespace, rank=rank)
         log.info("TieredKVConnector worker: layout %s %s, %d blocks, tiers %s%s", layout.kind.name, layout.shape,
                  layout.num_blocks, [t.name for t in self.store.tiers],

@@ -54,7 +54,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...blocks.codec import record_bytes
 from ...blocks.keys import ROOT_KEY, BlockKey
-from ...factory import build_store, check_record_fits
+from ...factory import build_store, check_record_fits, worker_rank
 from .config import split_settings
 from .events import TierEvents
 from .jobs import JobRunner
@@ -115,7 +115,8 @@ class DynamoTieredKVTier(SecondaryTierManager):
         if spec_config is not None:  # the engine's model identity, or a namespace of this tier's own
             model_id = engine_model_id(offloading_spec, self.config.model_id or "")
             self.namespace = namespace_for(spec_config, self.block_size_bytes, model_id=model_id, tenant_salt=salt)
-            rank = spec_config.parallel.data_parallel_index  # one tier per engine: DP replicas differ
+            # one tier per engine (its scheduler): only data-parallel replicas tell tiers of a host apart
+            rank = worker_rank(tp_rank=0, tp_size=1, dp_rank=spec_config.parallel.data_parallel_index)
         else:  # driven without vLLM's spec (a bench; no engine, no weights): model_id names the model as given
             if not self.config.model_id:
                 raise ValueError("model_id must be set when the tier is built without vLLM's offloading spec")
