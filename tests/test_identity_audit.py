@@ -12,6 +12,7 @@ import copy
 import dataclasses
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -118,7 +119,11 @@ def _keys(vllm_config: Any, lora: Any = None) -> tuple[Any, ...]:
     from dynamo_tiered_kv.connectors.vllm.connector import TieredKVConnector
 
     sched = TieredKVConnector(vllm_config, KVConnectorRole.SCHEDULER)._scheduler
-    worker = TieredKVConnector(vllm_config, KVConnectorRole.WORKER)._worker
+    # the worker of rank 0, as vLLM's distributed state names it inside an engine (no process
+    # groups here: a worker with more than one TP or PP rank refuses to start without them)
+    with mock.patch("vllm.distributed.get_tensor_model_parallel_rank", return_value=0), \
+            mock.patch("vllm.distributed.get_pp_group", return_value=SimpleNamespace(rank_in_group=0)):
+        worker = TieredKVConnector(vllm_config, KVConnectorRole.WORKER)._worker
     assert sched is not None and worker is not None
     req = SimpleNamespace(request_id="r", all_token_ids=list(range(64)), num_tokens=64, cache_salt=None,
                           lora_request=lora, mm_features=None, prompt_embeds=None)
