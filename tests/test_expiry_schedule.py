@@ -20,6 +20,7 @@ from dynamo_tiered_kv.policy.retention import DEFAULT_MAX_SHARE
 from dynamo_tiered_kv.staging.slabs import StagingPool
 from dynamo_tiered_kv.store import TieredStore
 from dynamo_tiered_kv.testing import make_record, random_key
+from dynamo_tiered_kv.testing.clock import ManualClock as Clock
 from dynamo_tiered_kv.tiers.host import HostTier
 from dynamo_tiered_kv.tiers.objectstore import LocalDirBackend, ObjectTier
 from dynamo_tiered_kv.tiers.objectstore.expiry import expire_pass
@@ -27,14 +28,6 @@ from dynamo_tiered_kv.tiers.ssd import SSDTier
 from tests.test_store import NS, REC, keys_for, make_layout
 
 pytestmark = pytest.mark.usefixtures("no_dtkv_env")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = time.time()
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture

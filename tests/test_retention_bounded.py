@@ -15,6 +15,7 @@ from dynamo_tiered_kv.policy.retention import RetentionClasses
 from dynamo_tiered_kv.staging.slabs import StagingPool
 from dynamo_tiered_kv.store import TieredStore
 from dynamo_tiered_kv.testing import random_key
+from dynamo_tiered_kv.testing.clock import ManualClock as Clock
 from dynamo_tiered_kv.testing.ssd import open_ssd_tier
 from dynamo_tiered_kv.tiers.host import HostTier
 from dynamo_tiered_kv.tiers.ssd import SSDTier, metrics
@@ -23,14 +24,6 @@ from tests.test_store import NS, REC, keys_for, make_layout
 
 CHUNK = 4096
 DATA = memoryview(bytes(CHUNK))
-
-
-class Clock:
-    def __init__(self, t: float = 1_000_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _k(i: int) -> bytes:
@@ -44,7 +37,7 @@ def _bounded(cls: RetentionClasses) -> bool:
 
 # --- heaps ------------------------------------------------------------------------------------
 def test_heaps_stay_bounded_by_the_live_keys_under_churn() -> None:
-    clock = Clock()
+    clock = Clock(1_000_000.0)
     cls = RetentionClasses(1 << 40, max_share=1.0, clock=clock, tier="churn-test")
     keys = [_k(i) for i in range(4)]
     holders = [("t", "a"), ("t", "b")]
@@ -69,7 +62,7 @@ def test_heaps_stay_bounded_by_the_live_keys_under_churn() -> None:
 
 
 def test_setting_the_same_claim_again_pushes_nothing() -> None:
-    clock = Clock()
+    clock = Clock(1_000_000.0)
     cls = RetentionClasses(1 << 40, max_share=1.0, clock=clock, tier="same-test")
     k = _k(1)
     cls.set(k, 40, clock.t + 3600, CHUNK)
@@ -99,7 +92,7 @@ async def _fill(t: SSDTier, start: int, records: int) -> None:
 async def _pick_cost(path: Path, retained: int, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
     """(lookups of retention classes and index entries, segments evicted) while 1 MiB is written
     through a full 400 KiB tier holding 16 retained blocks, with ``retained`` claims in all."""
-    clock = Clock()
+    clock = Clock(1_000_000.0)
     t = await open_ssd_tier(path, capacity_bytes=400 << 10, segment_bytes=64 << 10, fsync=False)
     try:
         t.configure_retention(max_share=1.0, clock=clock)
@@ -136,7 +129,7 @@ async def test_ssd_victim_pick_costs_do_not_grow_with_retained_keys(tmp_path: Pa
 async def test_ssd_segment_ranks_follow_time_and_changes(tmp_path: Path, event: str) -> None:
     """Five sealed segments of four blocks fill the tier; each new one evicts one. The segment
     holding block ``k`` is ranked once (a pick), then ``event`` changes its rank."""
-    clock = Clock()
+    clock = Clock(1_000_000.0)
     t = await open_ssd_tier(tmp_path, capacity_bytes=100 << 10, segment_bytes=64 << 10, fsync=False)
     t.configure_retention(max_share=1.0, clock=clock)
     k = _k(999)

@@ -15,6 +15,7 @@ from dynamo_tiered_kv.policy.retention import ANONYMOUS, MAX_HOLDERS_PER_KEY, Re
 from dynamo_tiered_kv.staging.slabs import StagingPool
 from dynamo_tiered_kv.store import TieredStore
 from dynamo_tiered_kv.testing import random_key
+from dynamo_tiered_kv.testing.clock import ManualClock as Clock
 from dynamo_tiered_kv.tiers.host import HostTier
 from dynamo_tiered_kv.tiers.ssd import SSDTier
 from tests.test_store import NS, REC, keys_for, make_layout
@@ -22,14 +23,6 @@ from tests.test_store import NS, REC, keys_for, make_layout
 CHUNK = 4096
 A = ("tenant-a", "session-1")
 B = ("tenant-b", "session-9")
-
-
-class Clock:
-    def __init__(self, t: float = 1_000_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _k(i: int) -> bytes:
@@ -41,7 +34,7 @@ def _table(clock: Clock) -> RetentionClasses:
 
 
 def test_another_holders_release_or_weaker_claim_never_lowers_a_claim() -> None:
-    clock = Clock()
+    clock = Clock(1_000_000.0)
     cls = _table(clock)
     k = _k(1)
     assert cls.set(k, 100, clock.t + 3600, CHUNK, A)
@@ -58,7 +51,7 @@ def test_another_holders_release_or_weaker_claim_never_lowers_a_claim() -> None:
 
 
 def test_a_holders_own_release_lowers_the_block_to_the_other_claim() -> None:
-    clock = Clock()
+    clock = Clock(1_000_000.0)
     cls = _table(clock)
     k = _k(2)
     cls.set(k, 90, clock.t + 60, CHUNK, A)
@@ -71,7 +64,7 @@ def test_a_holders_own_release_lowers_the_block_to_the_other_claim() -> None:
 
 
 def test_a_holder_lowers_its_own_claim() -> None:
-    clock = Clock()
+    clock = Clock(1_000_000.0)
     cls = _table(clock)
     k = _k(3)
     cls.set(k, 90, None, CHUNK, A)
@@ -80,7 +73,7 @@ def test_a_holder_lowers_its_own_claim() -> None:
 
 
 def test_a_lapsed_strong_claim_leaves_the_longer_weaker_one() -> None:
-    clock = Clock()
+    clock = Clock(1_000_000.0)
     cls = _table(clock)
     k = _k(4)
     cls.set(k, 100, clock.t + 10, CHUNK, A)
@@ -142,7 +135,7 @@ def test_demote_by_one_holder_keeps_blocks_another_holder_protects(pool: Staging
 
 
 def test_holders_per_key_are_bounded_and_the_weakest_goes() -> None:
-    clock = Clock()
+    clock = Clock(1_000_000.0)
     cls = _table(clock)
     k = _k(5)
     for i in range(MAX_HOLDERS_PER_KEY):
@@ -157,7 +150,7 @@ def test_holders_per_key_are_bounded_and_the_weakest_goes() -> None:
 
 
 def test_forget_drops_every_holders_claim() -> None:
-    clock = Clock()
+    clock = Clock(1_000_000.0)
     cls = _table(clock)
     k = _k(6)
     cls.set(k, 50, None, CHUNK, A)
@@ -169,7 +162,7 @@ def test_forget_drops_every_holders_claim() -> None:
 
 
 def test_host_eviction_forgets_every_claim_of_the_block_it_drops() -> None:
-    clock = Clock()
+    clock = Clock(1_000_000.0)
     host = HostTier(4 * CHUNK, chunk_bytes=CHUNK, pin=False)
     host.configure_retention(max_share=1.0, clock=clock)
     keys = [_k(10 + i) for i in range(4)]
@@ -184,7 +177,7 @@ def test_host_eviction_forgets_every_claim_of_the_block_it_drops() -> None:
 
 
 def test_set_reports_whether_the_block_stays_protected_after_a_release() -> None:
-    clock = Clock()
+    clock = Clock(1_000_000.0)
     cls = _table(clock)
     k = _k(7)
     cls.set(k, 50, None, CHUNK, A)

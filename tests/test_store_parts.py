@@ -23,18 +23,11 @@ from dynamo_tiered_kv.store.reads.stages import LoadStages
 from dynamo_tiered_kv.store.retention import RetentionService
 from dynamo_tiered_kv.store.state import StoreState
 from dynamo_tiered_kv.store.writes import OffloadWriter
+from dynamo_tiered_kv.testing.clock import ManualClock as Clock
 from dynamo_tiered_kv.tiers.base import TierExpiry
 from dynamo_tiered_kv.tiers.host import HostTier
 from dynamo_tiered_kv.tiers.ssd import SSDTier
 from tests.test_store import NS, REC, block_bytes, keys_for, make_layout
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture
@@ -135,7 +128,7 @@ class CountingHost(HostTier):
 
 def test_retention_service_alone_configures_the_tier_and_expires_through_it(loop: asyncio.AbstractEventLoop,
                                                                             pool: StagingPool) -> None:
-    clock = Clock()
+    clock = Clock(1_000_000.0)
     host = CountingHost(8 * REC)
     state = _state([host], loop)
     writer = OffloadWriter(state, pool, None, Admission("always"), 1, NS.digest)
@@ -153,7 +146,7 @@ def test_retention_service_alone_configures_the_tier_and_expires_through_it(loop
 
 
 def test_store_uses_the_tier_contract_for_expire_seal_and_retention(pool: StagingPool) -> None:
-    clock = Clock()
+    clock = Clock(1_000_000.0)
     host = CountingHost(8 * REC)
     with TieredStore([host], NS, pool, clock=clock, expire_interval_s=0, retain_max_share=0.25) as store:
         assert store.retention_of(0) is host.retention and host.retention.clock is clock

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from ..tiers.base import ByteRange, ReadRequest, Tier, TierExpiry
+from .clock import ManualClock
 from .records import make_record, random_key, small_shape
 
 SHAPES = [small_shape(num_layers=n) for n in (1, 2, 5)]
@@ -39,17 +40,6 @@ async def _read(tier: Tier, key: bytes, length: int | None = None, rng: ByteRang
     buf = bytearray(n)
     got = await tier.read_into(key, memoryview(buf), rng)
     return None if got is None else bytes(buf[:got])
-
-
-class _Clock:
-    """A settable clock for retention expiries (starts at the wall clock: tiers with a TTL compare
-    object ages with it)."""
-
-    def __init__(self) -> None:
-        self.t = time.time()
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class _Hook:
@@ -295,13 +285,13 @@ class TierConformanceTests:
         assert await _read(tier, k, len(v)) == v
 
     async def test_configure_retention_returns_the_table_the_tier_uses(self, tier: Tier) -> None:
-        clock = _Clock()
+        clock = ManualClock()
         cls = tier.configure_retention(max_share=0.5, clock=clock)
         assert tier.retention is cls and cls.clock is clock
 
     async def test_expire_drops_exactly_the_expired_retained_blocks(self, tier: Tier) -> None:
         await _ready(tier)
-        clock = _Clock()
+        clock = ManualClock()
         cls = tier.configure_retention(max_share=1.0, clock=clock)
         (ek, ev), (pk, pv), (ok, ov), (lk, lv) = (_rec(800 + i) for i in range(4))
         await tier.write_many([(ek, memoryview(ev)), (pk, memoryview(pv)), (ok, memoryview(ov)),
@@ -338,7 +328,7 @@ class TierConformanceTests:
         does not; the residency hook hears every block the tier dropped on its own."""
         t = await self._pressure_tier(tmp_path, "retain")
         try:
-            clock = _Clock()
+            clock = ManualClock()
             cls = t.configure_retention(max_share=0.5, clock=clock)
             hook = _Hook()
             t.set_residency_hook(hook)
@@ -365,7 +355,7 @@ class TierConformanceTests:
         """Among evictable blocks, one whose retention expired goes before older ordinary ones."""
         t = await self._pressure_tier(tmp_path, "expired")
         try:
-            clock = _Clock()
+            clock = ManualClock()
             cls = t.configure_retention(max_share=0.5, clock=clock)
             ordinary = [_rec(950 + i, size_class=2) for i in range(2)]
             for k, v in ordinary:
