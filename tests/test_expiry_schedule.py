@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_tiered_kv.blocks.keys import parents_of
 from dynamo_tiered_kv.config import TieredKVConfig
 from dynamo_tiered_kv.factory import build_store
 from dynamo_tiered_kv.hints import BlockRetention
@@ -25,7 +24,8 @@ from dynamo_tiered_kv.tiers.host import HostTier
 from dynamo_tiered_kv.tiers.objectstore import LocalDirBackend, ObjectTier
 from dynamo_tiered_kv.tiers.objectstore.expiry import expire_pass
 from dynamo_tiered_kv.tiers.ssd import SSDTier
-from tests.test_store import NS, REC, keys_for, make_layout
+from tests.test_store import NS, REC, keys_for
+from tests.test_store_retain_api import _offload
 
 pytestmark = pytest.mark.usefixtures("no_dtkv_env")
 
@@ -35,12 +35,6 @@ def pool() -> Iterator[StagingPool]:
     p = StagingPool(8 * REC, 4, pin=False)
     yield p
     p.close()
-
-
-def _offload(store: TieredStore, keys: list[bytes]) -> None:
-    layout = make_layout(len(keys) + 1, seed=5)
-    assert store.submit_offload(layout, list(range(1, len(keys) + 1)), keys, parents_of(keys))
-    assert store.drain(20)
 
 
 def _until(cond: Callable[[], bool], timeout: float = 30.0) -> bool:
