@@ -125,8 +125,9 @@ enum { DTKV_OK = -1, DTKV_BAD_MAGIC = -2, DTKV_BAD_VERSION = -3, DTKV_HEADER_COR
 
 /* Verify header + identity of each record and, when they hold, verify and scatter its layers.
  * Records are at records + i*record_bytes (dtkv_decode_batch) or at ptrs[i] (dtkv_decode_ptrs: records
- * read in place, e.g. from the host tier's arena). `expect_desc` is the 56-byte layout descriptor
- * (record bytes [64, 120)) the engine needs; byte 66 (the writer's engine layout) may differ.
+ * read in place, e.g. from the host tier's arena). `expect_desc` is the 48-byte layout descriptor
+ * (record bytes [64, 112)) the engine needs; byte 66 (the writer's engine layout) may differ, and
+ * bytes [112, 120) (the record's tenant) are not the reader's concern: keys already differ per tenant.
  * `keys` holds n 16-byte keys. status[i]: DTKV_OK, a negative code above, or the first bad layer. */
 static void decode_records(const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
                            int64_t block_stride, int64_t plane_stride, int64_t plane_bytes,
@@ -151,7 +152,7 @@ static void decode_records(const uint64_t *layer_ptrs, int64_t num_layers, int64
         if (memcmp(rec + 12, expect_prefix + 12, 4) != 0) { status[i] = DTKV_LAYOUT; continue; } /* header_bytes */
         if (memcmp(rec + 16, namespace_, 16) != 0) { status[i] = DTKV_NAMESPACE; continue; }
         if (memcmp(rec + 32, keys + 16 * i, 16) != 0) { status[i] = DTKV_KEY; continue; }
-        if (memcmp(rec + 64, expect_desc, 2) != 0 || memcmp(rec + 67, expect_desc + 3, 53) != 0) {
+        if (memcmp(rec + 64, expect_desc, 2) != 0 || memcmp(rec + 67, expect_desc + 3, 45) != 0) {
             status[i] = DTKV_LAYOUT; continue;
         }
         memcpy(sums, rec + 128, table_bytes);

@@ -31,6 +31,7 @@ from ..errors import (
     RecordTruncated,
     UnsupportedVersion,
 )
+from .tenant import DEFAULT_TENANT, TENANT_BYTES
 from .keys import KEY_BYTES
 from .layout import BlockShape, CanonicalFormat, DType, EngineLayout, EngineLayoutKind
 
@@ -41,7 +42,7 @@ CHECKSUM_XXH3_64 = 1
 
 # magic, version, flags, header_bytes, namespace, key, parent, canonical, dtype, engine_kind,
 # checksum_algo, num_layers, block_size, kv_heads, head_size, num_tokens, layer_bytes,
-# payload_bytes, record_bytes, reserved
+# payload_bytes, record_bytes, tenant (``blocks.tenant``; zero: the default tenant)
 _FIXED = struct.Struct("<8sHHI16s16s16sBBBBIIIIIQQQ8s")
 _FIXED_BYTES = _FIXED.size  # 120
 _HDR_SUM_OFF = _FIXED_BYTES  # u64 header checksum
@@ -73,6 +74,7 @@ class RecordHeader(NamedTuple):  # a NamedTuple: built on every read, so constru
     header_bytes: int
     record_bytes: int
     layer_sums: tuple[int, ...]
+    tenant: bytes = DEFAULT_TENANT
 
     @property
     def payload_offset(self) -> int:
@@ -93,7 +95,8 @@ def _as_u8(buf) -> np.ndarray:
 
 @functools.lru_cache(maxsize=64)
 def _descriptor(shape: BlockShape, engine_kind: EngineLayoutKind) -> tuple[bytes, bytes]:
-    """The constant parts of the fixed header for a shape: bytes [0, 16) and [64, 120)."""
+    """The constant parts of the fixed header for a shape: bytes [0, 16) and [64, 112) (the tenant,
+    bytes [112, 120), is per record)."""
     hb = header_bytes(shape.num_layers)
     fixed = _FIXED.pack(
         MAGIC,
@@ -117,16 +120,19 @@ def _descriptor(shape: BlockShape, engine_kind: EngineLayoutKind) -> tuple[bytes
         record_bytes(shape),
         bytes(8),
     )
-    return fixed[:16], fixed[64:]
+    return fixed[:16], fixed[64:112]
 
 
 def _write_header(
-    out: np.ndarray, shape: BlockShape, engine_kind: EngineLayoutKind, namespace: bytes, key: bytes, parent: bytes, sums
+    out: np.ndarray, shape: BlockShape, engine_kind: EngineLayoutKind, namespace: bytes, key: bytes, parent: bytes, sums,
+    tenant: bytes = DEFAULT_TENANT,
 ) -> None:
     if len(namespace) != KEY_BYTES or len(key) != KEY_BYTES or len(parent) != KEY_BYTES:
         raise ValueError("namespace digest, key and parent must each be 16 bytes")
+    if len(tenant) != TENANT_BYTES:
+        raise ValueError(f"a tenant id is {TENANT_BYTES} bytes")
     prefix, desc = _descriptor(shape, engine_kind)
-    fixed = prefix + namespace + key + parent + desc
+    fixed = prefix + namespace + key + parent + desc + tenant
     table = np.asarray(sums, dtype="<u8").tobytes()
     head = fixed + _U64.pack(xxhash.xxh3_64_intdigest(fixed + table)) + table
     out[: len(head)] = np.frombuffer(head, np.uint8)
@@ -136,12 +142,13 @@ def _write_header(
 _U64 = struct.Struct("<Q")
 
 
-def encode_block(layout: EngineLayout, block_id: int, namespace: bytes, key: bytes, parent: bytes, out) -> int:
+def encode_block(layout: EngineLayout, block_id: int, namespace: bytes, key: bytes, parent: bytes, out, *,
+                 tenant: bytes = DEFAULT_TENANT) -> int:
     """Gather engine block ``block_id`` into ``out`` as one record. Returns the record length.
 
     ``out`` is a writable uint8 buffer (a staging slab slice) of at least ``record_bytes``.
     """
-    return encode_blocks(layout, [block_id], [namespace] * 1, [key], [parent], out)
+    return encode_blocks(layout, [block_id], [namespace] * 1, [key], [parent], out, tenant=tenant)
 
 
 def encode_blocks(
@@ -151,8 +158,10 @@ def encode_blocks(
     keys: Sequence[bytes],
     parents: Sequence[bytes],
     out,
+    *,
+    tenant: bytes = DEFAULT_TENANT,
 ) -> int:
-    """Encode several blocks back to back into ``out``. Returns the total length written."""
+    """Encode several blocks of one tenant back to back into ``out``. Returns the total length written."""
     shape = layout.shape
     rb, hb, lb, nl = record_bytes(shape), header_bytes(shape.num_layers), shape.layer_bytes, shape.num_layers
     dst = checked_output(shape, block_ids, namespaces, keys, parents, out)
@@ -165,13 +174,14 @@ def encode_blocks(
 
         queue_save(layout.layer_views, layout.device, block_ids, torch.from_numpy(dst), record_bytes=rb,
                    header_bytes=hb, layer_bytes=lb).synchronize()
-        return seal_records(dst, shape, layout.kind, namespaces, keys, parents)
+        return seal_records(dst, shape, layout.kind, namespaces, keys, parents, tenant=tenant)
     table = layout.fast_table()
     if table is not None:  # compiled path: one call for the whole batch, GIL released
         sums_all = np.empty((n, nl), dtype=np.uint64)
         fast.gather_hash(table, np.asarray(block_ids, dtype=np.int64), dst, rb, hb, sums_all)
         for i in range(n):
-            _finish(dst[i * rb : (i + 1) * rb], shape, layout.kind, namespaces[i], keys[i], parents[i], sums_all[i])
+            _finish(dst[i * rb : (i + 1) * rb], shape, layout.kind, namespaces[i], keys[i], parents[i], sums_all[i],
+                    tenant)
         return n * rb
     views = layout.layer_views
     h64 = xxhash.xxh3_64_intdigest
@@ -184,7 +194,7 @@ def encode_blocks(
         for j in range(nl):
             copyto(layers[j], views[j][b])
             sums.append(h64(mv[base + j * lb : base + (j + 1) * lb]))  # hashed while still in cache
-        _finish(dst[i * rb : (i + 1) * rb], shape, layout.kind, namespaces[i], keys[i], parents[i], sums)
+        _finish(dst[i * rb : (i + 1) * rb], shape, layout.kind, namespaces[i], keys[i], parents[i], sums, tenant)
     return n * rb
 
 
@@ -201,15 +211,15 @@ def checked_output(shape: BlockShape, block_ids: Sequence[int], namespaces: Sequ
 
 
 def seal_records(dst: np.ndarray, shape: BlockShape, kind: EngineLayoutKind, namespaces: Sequence[bytes],
-                 keys: Sequence[bytes], parents: Sequence[bytes]) -> int:
-    """Checksums and headers of ``len(keys)`` records whose payloads are already in ``dst`` (gathered
+                 keys: Sequence[bytes], parents: Sequence[bytes], *, tenant: bytes = DEFAULT_TENANT) -> int:
+    """Checksums and headers of ``len(keys)`` records of ``tenant`` whose payloads are already in ``dst`` (gathered
     by a device copy). Returns the bytes of the records."""
     rb, hb, lb, nl = record_bytes(shape), header_bytes(shape.num_layers), shape.layer_bytes, shape.num_layers
     mv = memoryview(dst)
     for i in range(len(keys)):
         base = i * rb + hb
         sums = [xxhash.xxh3_64_intdigest(mv[base + j * lb : base + (j + 1) * lb]) for j in range(nl)]
-        _finish(dst[i * rb : (i + 1) * rb], shape, kind, namespaces[i], keys[i], parents[i], sums)
+        _finish(dst[i * rb : (i + 1) * rb], shape, kind, namespaces[i], keys[i], parents[i], sums, tenant)
     return len(keys) * rb
 
 
@@ -221,11 +231,12 @@ def _finish(
     key: bytes,
     parent: bytes,
     sums: Sequence[int],
+    tenant: bytes = DEFAULT_TENANT,
 ) -> None:
     hb = header_bytes(shape.num_layers)
     end = hb + shape.payload_bytes
     rec[end : record_bytes(shape)] = 0  # deterministic padding
-    _write_header(rec, shape, kind, ns, key, parent, sums)
+    _write_header(rec, shape, kind, ns, key, parent, sums, tenant)
 
 
 def encode_payload(
@@ -236,6 +247,8 @@ def encode_payload(
     parent: bytes,
     out,
     engine_kind: EngineLayoutKind = EngineLayoutKind.FLASH_ATTN,
+    *,
+    tenant: bytes = DEFAULT_TENANT,
 ) -> int:
     """Encode an already-canonical payload (tools, tests, re-encoding). Returns the record length."""
     src = _as_u8(payload)
@@ -245,12 +258,12 @@ def encode_payload(
     hb, lb = header_bytes(shape.num_layers), shape.layer_bytes
     rec[hb : hb + src.nbytes] = src
     sums = [xxhash.xxh3_64_intdigest(rec[hb + j * lb : hb + (j + 1) * lb]) for j in range(shape.num_layers)]
-    _finish(rec, shape, engine_kind, namespace, key, parent, sums)
+    _finish(rec, shape, engine_kind, namespace, key, parent, sums, tenant)
     return rec.nbytes
 
 
 _PREFIX = struct.Struct("<8sHHI")
-_DESC = struct.Struct("<BBBBIIIIIQQQ8s")
+_DESC = struct.Struct("<BBBBIIIIIQQQ")
 
 
 def decode_header(buf) -> RecordHeader:
@@ -273,16 +286,17 @@ def decode_header(buf) -> RecordHeader:
     h.update(mv[_TABLE_OFF : _TABLE_OFF + 8 * nl])
     if h.intdigest() != _U64.unpack_from(a, _HDR_SUM_OFF)[0]:
         raise HeaderCorrupt("record header checksum mismatch")
-    shape, kind = _parse_descriptor(bytes(mv[64:_FIXED_BYTES]))
+    shape, kind = _parse_descriptor(bytes(mv[64:112]))
     table = a[_TABLE_OFF : _TABLE_OFF + 8 * nl].view("<u8")
     ns, key, parent = bytes(mv[16:32]), bytes(mv[32:48]), bytes(mv[48:64])
-    return RecordHeader(ns, key, parent, shape, kind, shape.block_size, hb, record_bytes(shape), tuple(table.tolist()))
+    return RecordHeader(ns, key, parent, shape, kind, shape.block_size, hb, record_bytes(shape), tuple(table.tolist()),
+                        bytes(mv[112:_FIXED_BYTES]))
 
 
 @functools.lru_cache(maxsize=256)
 def _parse_descriptor(desc: bytes) -> tuple[BlockShape, EngineLayoutKind]:
-    """Layout descriptor (bytes [64, 120)) -> shape; cached since a store sees few distinct shapes."""
-    canon, dtype, ekind, algo, nl, bs, heads, hs, ntok, lb, pb, rb, _res = _DESC.unpack(desc)
+    """Layout descriptor (bytes [64, 112)) -> shape; cached since a store sees few distinct shapes."""
+    canon, dtype, ekind, algo, nl, bs, heads, hs, ntok, lb, pb, rb = _DESC.unpack(desc)
     if algo != CHECKSUM_XXH3_64:
         raise HeaderCorrupt(f"unknown checksum algorithm {algo}")
     try:
@@ -505,3 +519,13 @@ def payload_view(buf, *, namespace: bytes | None = None, key: bytes | None = Non
     a = _as_u8(buf)
     hdr = verify_record(a, namespace=namespace, key=key)
     return a[hdr.header_bytes : hdr.header_bytes + hdr.shape.payload_bytes]
+
+
+def record_tenant(buf) -> bytes:
+    """The tenant a record's header names (bytes [112, 120)), read without verifying anything:
+    for accounting only (quotas, listings). Bytes that do not start like a record (tests store
+    arbitrary values in tiers) belong to the default tenant."""
+    mv = memoryview(buf).cast("B") if not isinstance(buf, np.ndarray) else memoryview(_as_u8(buf))
+    if mv.nbytes < _FIXED_BYTES or bytes(mv[:8]) != MAGIC:
+        return DEFAULT_TENANT
+    return bytes(mv[112:_FIXED_BYTES])

@@ -30,6 +30,7 @@ from .codec import (
     header_bytes,
     record_bytes,
 )
+from .tenant import DEFAULT_TENANT
 from .keys import KEY_BYTES
 from .layout import EngineLayout
 
@@ -61,8 +62,10 @@ def encode_blocks_on_device(
     keys: Sequence[bytes],
     parents: Sequence[bytes],
     out: torch.Tensor,
+    *,
+    tenant: bytes = DEFAULT_TENANT,
 ) -> int:
-    """Encode engine blocks back to back into ``out`` (device memory). Returns the bytes written.
+    """Encode engine blocks of ``tenant`` back to back into ``out`` (device memory). Returns the bytes written.
 
     Returns once the records are complete in ``out`` (an event on this thread's stream), so the
     engine may reuse its blocks and a GDS write may start.
@@ -84,7 +87,7 @@ def encode_blocks_on_device(
     sums = _layer_sums(recs, hb, nl, lb)  # waits for the gather: the sums are copied to the host
     heads = np.zeros((n, hb), np.uint8)
     for i in range(n):
-        _write_header(heads[i], shape, layout.kind, namespaces[i], keys[i], parents[i], sums[i])
+        _write_header(heads[i], shape, layout.kind, namespaces[i], keys[i], parents[i], sums[i], tenant)
     recs[:, :hb].copy_(torch.from_numpy(heads))
     synchronize(out.device)
     return n * rb

@@ -21,17 +21,19 @@ from typing import Any
 
 from ..blocks.codec import _check_block_ids, checked_output, encode_blocks, header_bytes, record_bytes, seal_records
 from ..blocks.layout import EngineLayout
+from ..blocks.tenant import DEFAULT_TENANT
 
 #: the second half of an encode: returns the bytes of the records, ready to write
 Seal = Callable[[], int]
 
 
 def begin_encode(layout: EngineLayout, block_ids: Sequence[int], namespaces: Sequence[bytes],
-                 keys: Sequence[bytes], parents: Sequence[bytes], out: Any) -> Seal:
-    """Start encoding ``block_ids`` into ``out`` (a host slab); call the result, on any thread, before
+                 keys: Sequence[bytes], parents: Sequence[bytes], out: Any, *,
+                 tenant: bytes = DEFAULT_TENANT) -> Seal:
+    """Start encoding ``block_ids`` of ``tenant`` into ``out`` (a host slab); call the result, on any thread, before
     reading ``out``. Raises at once for bad arguments, like ``encode_blocks``."""
     if not layout.is_cuda:
-        n = encode_blocks(layout, block_ids, namespaces, keys, parents, out)
+        n = encode_blocks(layout, block_ids, namespaces, keys, parents, out, tenant=tenant)
         return lambda: n
     import torch
 
@@ -47,6 +49,6 @@ def begin_encode(layout: EngineLayout, block_ids: Sequence[int], namespaces: Seq
 
     def seal() -> int:
         copied.synchronize()  # a blocking event: sleeps (GIL released) while the copy engine finishes
-        return seal_records(dst, shape, layout.kind, ns, ks, ps)
+        return seal_records(dst, shape, layout.kind, ns, ks, ps, tenant=tenant)
 
     return seal
