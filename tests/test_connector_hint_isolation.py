@@ -54,7 +54,7 @@ def test_another_session_can_raise_a_blocks_retention_but_never_lower_it(tmp_pat
     sched, w = _roles(tmp_path)
     try:
         keys = _protected(sched, w, None, "chat")
-        host = w.store.retention_of(0)
+        host = w.store.retention.retention_of(0)
         for i, (scope, directive) in enumerate((("other", {"priority": 1, "duration": 1}), ("other", {"priority": 0}),
                                                 (None, {"priority": 1, "duration": 0}))):
             req = HintedRequest(f"low{i}", PROMPT, kv_transfer_params={
@@ -94,7 +94,7 @@ def test_random_hostile_envelopes_stay_bounded_and_never_lower_others(tmp_path) 
     sched, w = _roles(tmp_path)
     try:
         keys = _protected(sched, w, None, "vault")
-        host = w.store.retention_of(0)
+        host = w.store.retention.retention_of(0)
         for r in range(30):
             n_dir = rng.choice([0, 1, 128, 500])
             prios = sorted((rng.randint(0, 100) for _ in range(n_dir)), reverse=True)

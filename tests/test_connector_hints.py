@@ -52,7 +52,7 @@ def test_retain_hints_reach_the_worker_store_and_the_final_request_releases(tmp_
         meta = sched.build_connector_meta(sched_output({}))
         w.start_load_kv(meta)
         keys = w.keys_of(sched._reqs["a"].hashes_upto(4))
-        host = w.store.retention_of(0)
+        host = w.store.retention.retention_of(0)
         assert [host.priority(k) for k in keys] == [70, 70, 0, 0]  # tokens [0, 32): the first two blocks
 
         final = HintedRequest("b", list(range(4 * BS + 3)), kv_transfer_params={

@@ -46,7 +46,7 @@ def test_covers_output_protects_the_generated_blocks_as_they_are_saved(tmp_path)
         assert [len(s.block_ids) for s in meta.saves] == [3]
         w.start_load_kv(meta)
         keys = w.keys_of(sched._reqs["a"].hashes_upto(7))
-        host = w.store.retention_of(0)
+        host = w.store.retention.retention_of(0)
         assert [host.priority(k) for k in keys] == [80, 80, 80, 80, 50, 50, 50]
         assert host.get(keys[3]).expiry > host.get(keys[4]).expiry  # each block takes its level's expiry
     finally:
@@ -66,7 +66,7 @@ def test_a_prompt_only_claim_leaves_generated_blocks_alone(tmp_path) -> None:
         meta = sched.build_connector_meta(sched_output(cached=[("a", ids[2:], prompt)], tokens={"a": 2 * BS}))
         assert meta.retains == []  # nothing to say about the generated blocks
         w.start_load_kv(meta)
-        host = w.store.retention_of(0)
+        host = w.store.retention.retention_of(0)
         assert [host.priority(k) for k in w.keys_of(sched._reqs["a"].hashes_upto(4))] == [70, 70, 0, 0]
     finally:
         w.shutdown()

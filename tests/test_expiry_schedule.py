@@ -65,8 +65,8 @@ def test_a_retained_block_expires_in_every_tier_without_a_call_to_expire(pool: S
         store.retain(keys, BlockRetention(50, clock.t + 7200))
         _offload(store, keys)
         _offload(store, other)
-        passes = store.expire_passes
-        assert _until(lambda: store.expire_passes >= passes + 2)  # passes ran: nothing had expired
+        passes = store.retention.expire_passes
+        assert _until(lambda: store.retention.expire_passes >= passes + 2)  # passes ran: nothing had expired
         assert all(t.contains(k) for t in store.tiers for k in keys)
         clock.t += 7201  # two simulated hours later; nobody calls expire()
         assert _until(lambda: not any(t.contains(k) for t in store.tiers for k in keys)), \
@@ -87,7 +87,7 @@ def test_interval_zero_turns_the_pass_off_and_a_negative_one_is_refused(pool: St
         clock.t += 61
         assert all(host.contains(k) for k in keys)  # left for an explicit pass
         assert store.expire().blocks == {"host": 2}
-        assert store.expire_passes == 0
+        assert store.retention.expire_passes == 0
     with pytest.raises(ValueError, match="expire_interval_s"):
         TieredStore([HostTier(16 * REC, chunk_bytes=REC, pin=False)], NS, pool, expire_interval_s=-1)
 
@@ -104,7 +104,7 @@ def test_the_setting_reaches_the_store_built_from_config(tmp_path: Path) -> None
         host = store.tiers[0]
         assert all(host.contains(k) for k in keys)
         assert _until(lambda: not any(host.contains(k) for k in keys))
-        assert store.expire_passes >= 1
+        assert store.retention.expire_passes >= 1
     finally:
         store.close()
 

@@ -168,7 +168,7 @@ def test_ssd_eviction_and_ttl_are_removals_from_disk(tmp_path) -> None:
         assert {(k, m) for k, m, _ in _ops(w)} == {("stored", DISK)}
         import time
 
-        assert w.store.sweep_now(time.monotonic() + 1000) == 2
+        assert w.store.retention.sweep_now(time.monotonic() + 1000) == 2
         assert sorted(h for k, m, h in _ops(w) if (k, m) == ("removed", DISK)) == sorted(
             external_hash(h) for h in hs)
     finally:

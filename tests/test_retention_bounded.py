@@ -193,7 +193,7 @@ def _prefetch_cost(tmp_path: Path, pool: StagingPool, retained: int,
         assert store.submit_offload(make_layout(7, seed=5), list(range(1, 7)), keys, parents_of(keys))
         assert store.drain(20)
         assert store.demote(keys) == 6  # down to the SSD tier: prefetch brings them back
-        host = store.retention_of(0)
+        host = store.retention.retention_of(0)
         for i in range(retained):  # retained blocks that live elsewhere, retained with no bytes
             host.set(random_key(i, b"far"), 50, None, 0)
         counts: collections.Counter[str] = collections.Counter()

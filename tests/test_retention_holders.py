@@ -100,7 +100,7 @@ def test_the_expiry_pass_keeps_a_block_whose_stronger_claim_still_runs(tmp_path:
             rep = store.expire()
             assert rep.blocks == {"host": 0, "ssd": 0}
             assert all(t.contains(k) for t in store.tiers for k in keys)
-            assert [store.retention_of(0).priority(k) for k in keys] == [100] * 4
+            assert [store.retention.retention_of(0).priority(k) for k in keys] == [100] * 4
             clock.t += 7200  # now every claim lapsed
             rep = store.expire()
             assert rep.blocks == {"host": 4, "ssd": 4}
@@ -129,7 +129,7 @@ def test_demote_by_one_holder_keeps_blocks_another_holder_protects(pool: Staging
         assert store.demote(keys, holder=A) == 3  # A's session paused: only its own blocks move down
         host = store.tiers[0]
         assert all(host.contains(k) for k in shared) and not any(host.contains(k) for k in own)
-        assert [store.retention_of(0).priority(k) for k in keys] == [40] * 3 + [0] * 3
+        assert [store.retention.retention_of(0).priority(k) for k in keys] == [40] * 3 + [0] * 3
         assert store.demote(shared, holder=B) == 3  # B's too: now nothing protects them
         assert not any(host.contains(k) for k in keys)
 

@@ -266,10 +266,10 @@ def test_ttl_sweep_deletes_expired_blocks(pool: StagingPool) -> None:
     with make_store([host], pool, ttl_s=[60.0], sweep_interval_s=3600) as store:
         store.submit_offload(make_layout(seed=13), [1, 2], keys, parents_of(keys))
         store.drain(10)
-        assert store.sweep_now() == 0
+        assert store.retention.sweep_now() == 0
         import time
 
-        assert store.sweep_now(time.monotonic() + 61) == 2
+        assert store.retention.sweep_now(time.monotonic() + 61) == 2
         assert store.lookup(keys).num_blocks == 0
 
 

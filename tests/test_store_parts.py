@@ -149,7 +149,7 @@ def test_store_uses_the_tier_contract_for_expire_seal_and_retention(pool: Stagin
     clock = Clock(1_000_000.0)
     host = CountingHost(8 * REC)
     with TieredStore([host], NS, pool, clock=clock, expire_interval_s=0, retain_max_share=0.25) as store:
-        assert store.retention_of(0) is host.retention and host.retention.clock is clock
+        assert store.retention.retention_of(0) is host.retention and host.retention.clock is clock
         store.expire()
         assert host.expire_calls == [clock.t]  # the tier's own pass, whatever its medium
         store.persist(5)

@@ -82,7 +82,7 @@ def test_ttl_sweep_spares_protected_blocks(pool: StagingPool) -> None:
         kept, plain = keys_for(3), keys_for(3, start=500)
         store.retain(kept, BlockRetention(80, None))
         _offload(store, kept + plain)
-        store.sweep_now(time.monotonic() + 11)
+        store.retention.sweep_now(time.monotonic() + 11)
         assert all(host.contains(k) for k in kept) and not any(host.contains(k) for k in plain)
 
 
@@ -114,7 +114,7 @@ def test_prefetch_never_evicts_protected_blocks(pool: StagingPool, tmp_path: Pat
         assert all(store.tiers[0].contains(k) for k in hot)
         store.prefetch_now(cold)
         assert all(store.tiers[0].contains(k) for k in hot)
-        assert store.prefetch_stats.stopped_protected == 1
+        assert store.retention.prefetch_stats.stopped_protected == 1
 
 
 @pytest.mark.parametrize("hinted", [True, False])

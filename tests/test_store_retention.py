@@ -37,7 +37,7 @@ def test_retention_of_evicted_host_blocks_is_dropped(pool: StagingPool) -> None:
         _write_rounds(store, 40)  # 320 blocks written
         held = host.usage().num_blocks
         assert held <= 16
-        assert store.bookkeeping()["retention_host"] <= held
+        assert store.writer.bookkeeping()["retention_host"] <= held
 
 
 def test_retention_of_evicted_ssd_blocks_is_dropped(pool: StagingPool, tmp_path: Path) -> None:
@@ -46,7 +46,7 @@ def test_retention_of_evicted_ssd_blocks_is_dropped(pool: StagingPool, tmp_path:
         _write_rounds(store, 40)  # 320 records of ~8 KiB into 640 KiB: segments evicted all along
         held = ssd.usage().num_blocks
         assert held < 320
-        assert store.bookkeeping()["retention_ssd"] <= held
+        assert store.writer.bookkeeping()["retention_ssd"] <= held
 
 
 def test_batch_larger_than_the_tier_tracks_only_what_it_kept(pool: StagingPool) -> None:
@@ -55,7 +55,7 @@ def test_batch_larger_than_the_tier_tracks_only_what_it_kept(pool: StagingPool) 
     try:
         with TieredStore([host], NS, big, ttl_s=[3600.0], sweep_interval_s=3600) as store:
             _write_rounds(store, 4, per_round=24)  # each batch evicts its own first 8 records
-            assert store.bookkeeping()["retention_host"] <= host.usage().num_blocks == 16
+            assert store.writer.bookkeeping()["retention_host"] <= host.usage().num_blocks == 16
     finally:
         big.close()
 
@@ -68,18 +68,18 @@ def test_unreported_drops_are_pruned_to_the_tier_block_count(pool: StagingPool,
     with TieredStore([host], NS, pool, ttl_s=[3600.0], sweep_interval_s=3600) as store:
         host.set_residency_hook(None)  # evictions go unreported
         _write_rounds(store, 40)
-        assert store.bookkeeping()["retention_host"] <= 2 * 16 + 8 + 8  # bound + one round written after a prune
+        assert store.writer.bookkeeping()["retention_host"] <= 2 * 16 + 8 + 8  # bound + one round written after a prune
 
 
 def test_ttl_still_expires_blocks_the_tier_keeps(pool: StagingPool) -> None:
     host = HostTier(64 * REC, chunk_bytes=REC, pin=False)
     with TieredStore([host], NS, pool, ttl_s=[60.0], sweep_interval_s=3600) as store:
         _write_rounds(store, 2)
-        assert store.bookkeeping()["retention_host"] == 16
+        assert store.writer.bookkeeping()["retention_host"] == 16
         import time
 
-        assert store.sweep_now(time.monotonic() + 61) == 16
-        assert store.bookkeeping()["retention_host"] == 0 and host.usage().num_blocks == 0
+        assert store.retention.sweep_now(time.monotonic() + 61) == 16
+        assert store.writer.bookkeeping()["retention_host"] == 0 and host.usage().num_blocks == 0
 
 
 def test_deleted_corrupt_and_dropped_blocks_leave_retention(pool: StagingPool) -> None:
@@ -88,4 +88,4 @@ def test_deleted_corrupt_and_dropped_blocks_leave_retention(pool: StagingPool) -
         _write_rounds(store, 2)
         store.drop_local()
         assert store.drain(10)
-        assert store.bookkeeping()["retention_host"] == 0
+        assert store.writer.bookkeeping()["retention_host"] == 0

@@ -272,7 +272,7 @@ def test_residency_hooks_replaced_while_tiers_evict() -> None:
 
         hammer(offload, swap)
         assert store.drain(10)
-        assert store.bookkeeping()["retention_host"] <= host.usage().num_blocks
+        assert store.writer.bookkeeping()["retention_host"] <= host.usage().num_blocks
     finally:
         store.close()
         pool.close()

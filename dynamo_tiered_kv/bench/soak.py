@@ -10,7 +10,7 @@ so every tier evicts all the time; TTLs expire blocks, the object tier re-lists 
 as the engine adapters apply them (``soak_hints``).
 
 Every ``--interval-s`` (60 s) one sample: RSS, open files (/proc/self/fd), threads, each tier's
-used bytes and block count, and the store's bookkeeping sizes (``TieredStore.bookkeeping``). At the
+used bytes and block count, and the store's bookkeeping sizes (``OffloadWriter.bookkeeping``). At the
 end, per series over the samples after warm-up (the first third): the least-squares drift across
 that window relative to its mean; a series is flat when the drift is within 5% (or under one unit:
 counts). ``wrong_bytes`` must be 0.
@@ -232,7 +232,7 @@ def _sample(store: TieredStore, t0: float) -> dict[str, float]:
         index_nbytes = getattr(tier, "index_nbytes", None)
         if index_nbytes is not None:
             s[f"{tier.name}_index_kib"] = index_nbytes() / 1024
-    s.update({k: float(v) for k, v in store.bookkeeping().items()})
+    s.update({k: float(v) for k, v in store.writer.bookkeeping().items()})
     flusher = getattr(store, "flusher", None)
     if flusher is not None:
         s["flush_queue"] = flusher.stats.queue_length

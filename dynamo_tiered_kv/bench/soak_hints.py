@@ -113,7 +113,7 @@ class HintedTurns:
             times, self._times = list(self._times), deque(maxlen=self._times.maxlen)
             out: dict[str, float] = {"hint_scopes": len(self.scopes)}
         for ti, tier in enumerate(self.store.tiers):
-            cls = self.store.retention_of(ti)
+            cls = self.store.retention.retention_of(ti)
             out[f"retained_{tier.name}"] = len(cls)
             out[f"retention_heap_{tier.name}"] = sum(cls.heap_entries)
         out["hint_turn_ms_p50"] = 1000 * float(np.median(times)) if times else 0.0

@@ -113,6 +113,7 @@ class RetentionService:
         return out
 
     def retention_of(self, ti: int) -> RetentionClasses:
+        """Tier ``ti``'s retention table (the tier's own; its eviction honours it)."""
         return self.tiers[ti].retention
 
     # --- retain ---------------------------------------------------------------------------------
@@ -310,6 +311,10 @@ class RetentionService:
         while True:
             await asyncio.sleep(self.sweep_interval_s)
             await self.sweep()
+
+    def sweep_now(self, now: float | None = None) -> int:
+        """One TTL sweep (``sweep``), synchronous (tests and tools); any thread but the loop's."""
+        return int(self._state.call(self.sweep(now), timeout=60))
 
     async def sweep(self, now: float | None = None) -> int:
         """Delete blocks older than their tier's TTL (only those this store wrote). Returns count."""

@@ -72,7 +72,7 @@ from ..blocks.layout import EngineLayout
 from ..policy.admission import Admission, AdmissionPolicy, Retention
 from ..policy.pacing import Pacer
 from ..policy.residency import ResidencyListener, install
-from ..policy.retention import ANONYMOUS, Holder, RetentionClasses
+from ..policy.retention import ANONYMOUS, Holder
 from ..staging.device_slabs import DeviceStagingPool
 from ..staging.slabs import StagingPool
 from ..tiers.base import Tier
@@ -80,7 +80,7 @@ from . import lifecycle
 from .lifecycle import Background
 from .metrics import StoreMetrics
 from .reads.pipeline import ChunkReader, LoadStages
-from .retention import ExpireStats, PrefetchStats, RetentionService
+from .retention import ExpireStats, RetentionService
 from .state import StoreState
 from .writes import OffloadWriter, check_block_ids
 
@@ -167,10 +167,8 @@ class TieredStore:
         self.namespace = namespace
         self.staging = staging
         self.device_staging = device_staging
-        self.admission = admission if isinstance(admission, Admission) else Admission(admission,
-                                                                                       min_prefix_blocks)
-        self.max_pending_offloads = max_pending_offloads
-        self.write_depth = max(1, min(write_depth, len(self.tiers)))
+        admission = admission if isinstance(admission, Admission) else Admission(admission, min_prefix_blocks)
+        write_depth = max(1, min(write_depth, len(self.tiers)))
         ttls = list(ttl_s or [])
         ttl = [Retention(ttls[i] if i < len(ttls) else None, t.contains, _block_count(t))
                for i, t in enumerate(self.tiers)]
@@ -182,14 +180,13 @@ class TieredStore:
         self._background = list(background)
         self._loop = asyncio.new_event_loop()
         self._state = StoreState(self.tiers, self.metrics, ttl, self._loop, max_pending_offloads)
-        self.writer = OffloadWriter(self._state, staging, device_staging, self.admission, self.write_depth,
-                                    namespace.digest)
-        self.reader = ChunkReader(self._state, staging, self.writer, self.admission, write_depth=self.write_depth,
-                                  ns_digest=namespace.digest, load_chunk_bytes=load_chunk_bytes,
-                                  load_first_chunk_bytes=load_first_chunk_bytes, load_depth=load_depth)
-        self.retention = RetentionService(self._state, staging, self.writer.write_tier, max_share=retain_max_share,
-                                          clock=clock, sweep_interval_s=sweep_interval_s,
-                                          expire_interval_s=expire_interval_s, expire_pass_bytes=EXPIRE_PASS_BYTES)
+        self._writer = OffloadWriter(self._state, staging, device_staging, admission, write_depth, namespace.digest)
+        self._reader = ChunkReader(self._state, staging, self._writer, admission, write_depth=write_depth,
+                                   ns_digest=namespace.digest, load_chunk_bytes=load_chunk_bytes,
+                                   load_first_chunk_bytes=load_first_chunk_bytes, load_depth=load_depth)
+        self._retention = RetentionService(self._state, staging, self._writer.write_tier, max_share=retain_max_share,
+                                           clock=clock, sweep_interval_s=sweep_interval_s,
+                                           expire_interval_s=expire_interval_s, expire_pass_bytes=EXPIRE_PASS_BYTES)
         self.set_residency(on_residency)
         # the thread runs a method of the store: while the loop runs, the store stays alive even when
         # nobody else holds it, so the exit hook (which tracks stores weakly) still closes it
@@ -204,7 +201,7 @@ class TieredStore:
             await t.open()
         for b in self._background:
             self._state.bg_tasks.append(asyncio.ensure_future(lifecycle.run_background(b)))
-        for name, coro in self.retention.background():
+        for name, coro in self._retention.background():
             self._state.bg_tasks.append(asyncio.create_task(coro, name=name))
 
     def _run_loop(self) -> None:
@@ -217,10 +214,22 @@ class TieredStore:
     def closed(self) -> bool:
         return self._state.closed
 
+    # --- the parts, for tools, benchmarks and adapters that read their tables and counters --------
     @property
-    def clock(self) -> Callable[[], float]:
-        """The clock retention expiries are measured on."""
-        return self.retention.clock
+    def writer(self) -> OffloadWriter:
+        """The offload path (``store.writes``): pending count, admission, bookkeeping sizes."""
+        return self._writer
+
+    @property
+    def reader(self) -> ChunkReader:
+        """The restore pipeline (``store.reads.pipeline``)."""
+        return self._reader
+
+    @property
+    def retention(self) -> RetentionService:
+        """Retain, prefetch, demote and expire (``store.retention``): retention tables, prefetch
+        and expiry counters, the clock expiries are measured on, a synchronous TTL sweep."""
+        return self._retention
 
     def close(self, timeout: float = 30.0) -> None:
         """Drain queued offloads (up to ``timeout``), seal open segments, let write-back finish (up to
@@ -305,8 +314,6 @@ class TieredStore:
         """Wait until every accepted offload has been written (tests, shutdown)."""
         return self._state.drain(timeout)
 
-    flush = drain
-
     def persist(self, timeout: float = 30.0) -> None:
         """Drain offloads, then seal open segments and wait for write-back (SSD -> objects).
 
@@ -315,19 +322,6 @@ class TieredStore:
         self.drain(timeout)
         self._call(lifecycle.persist(self.tiers, self._background, time.monotonic() + timeout),
                    timeout=2 * timeout + 5)
-
-    @property
-    def pending_offloads(self) -> int:
-        return self._state.pending
-
-    def bookkeeping(self) -> dict[str, int]:
-        """Sizes of the store's own maps (for soak tests and leak hunting): retention entries per
-        tier, admission sightings, tasks on the loop, offload batches pending."""
-        out = {f"retention_{t.name}": len(r) for t, r in zip(self.tiers, self._state.ttl)}
-        out["admission_keys"] = len(self.admission)
-        out["loop_tasks"] = len(self._state.tasks)
-        out["pending_offloads"] = self._state.pending
-        return out
 
     # --- load ------------------------------------------------------------------------------
     def load(self, layout: EngineLayout, block_ids: Sequence[int], keys: Sequence[BlockKey],
@@ -353,8 +347,8 @@ class TieredStore:
         check_block_ids(layout, block_ids)
         t0 = time.perf_counter()
         res = LoadResult()
-        self.reader.load_pipelined(layout, block_ids, keys, timeout, res.loaded_block_ids, res.tier_per_block,
-                                   res.stages, pacer, decode_threads)
+        self._reader.load_pipelined(layout, block_ids, keys, timeout, res.loaded_block_ids, res.tier_per_block,
+                                    res.stages, pacer, decode_threads)
         res.failed_block_ids = list(block_ids[len(res.loaded_block_ids):])
         if res.failed_block_ids:
             self.metrics.load_failed_blocks.inc(len(res.failed_block_ids))
@@ -407,42 +401,20 @@ class TieredStore:
     def retain(self, keys: Sequence[BlockKey], retention: BlockRetention | Sequence[BlockRetention], *,
                holder: Holder = ANONYMOUS) -> int:
         """``RetentionService.retain``: ``holder`` claims a retention class for ``keys`` in every tier."""
-        return self.retention.retain(keys, retention, holder=holder)
+        return self._retention.retain(keys, retention, holder=holder)
 
     def prefetch(self, keys: Sequence[BlockKey], *, into: int = 0) -> None:
         """``RetentionService.prefetch``: queue promotion into tier ``into``; never waits."""
-        self.retention.prefetch(keys, into=into)
+        self._retention.prefetch(keys, into=into)
 
     def prefetch_now(self, keys: Sequence[BlockKey], *, into: int = 0, timeout: float = 60.0) -> int:
         """``RetentionService.prefetch_now``: promote synchronously; returns blocks promoted."""
-        return self.retention.prefetch_now(keys, into=into, timeout=timeout)
+        return self._retention.prefetch_now(keys, into=into, timeout=timeout)
 
     def demote(self, keys: Sequence[BlockKey], *, holder: Holder = ANONYMOUS, wait: bool = True) -> int:
         """``RetentionService.demote``: release ``holder``'s claims and move unprotected host blocks down."""
-        return self.retention.demote(keys, holder=holder, wait=wait)
+        return self._retention.demote(keys, holder=holder, wait=wait)
 
     def expire(self, now: float | None = None, max_bytes: int = 1 << 30) -> ExpireStats:
         """``RetentionService.expire``: one GC pass, synchronous."""
-        return self.retention.expire(now, max_bytes)
-
-    # read by connectors, benchmarks and tools: the retention service's tables and counters
-    def retention_of(self, ti: int) -> RetentionClasses:
-        """Tier ``ti``'s retention table."""
-        return self.retention.retention_of(ti)
-
-    def note_record_bytes(self, nbytes: int) -> None:
-        """The size of one record (blocks retained before they exist count this much)."""
-        self.retention.note_record_bytes(nbytes)
-
-    @property
-    def prefetch_stats(self) -> PrefetchStats:
-        return self.retention.prefetch_stats
-
-    @property
-    def expire_passes(self) -> int:
-        """Periodic expiry passes done."""
-        return self.retention.expire_passes
-
-    def sweep_now(self, now: float | None = None) -> int:
-        """One TTL sweep, synchronous (tests and tools)."""
-        return int(self._call(self.retention.sweep(now), timeout=60))
+        return self._retention.expire(now, max_bytes)

@@ -130,6 +130,27 @@ class OffloadWriter:
             self._state.schedule(self.write_slab(slab, rb, plan, seal), reserved=True)
         return accepted_all
 
+    # --- what is queued, and the sizes of the maps offloads fill ----------------------------------
+    @property
+    def pending_offloads(self) -> int:
+        """Offload batches (and promotions, repairs) accepted and not yet written. Any thread."""
+        return self._state.pending
+
+    @property
+    def max_pending_offloads(self) -> int:
+        """Batches queued on the loop before ``submit_offload`` drops new ones (``queue_full``)."""
+        return self._state.max_pending
+
+    def bookkeeping(self) -> dict[str, int]:
+        """Sizes of the store's own maps (for soak tests and leak hunting): retention entries per
+        tier, admission sightings, tasks on the loop, offload batches pending. Any thread (sizes
+        read without the maps' locks: a snapshot, not a consistent cut)."""
+        out = {f"retention_{t.name}": len(r) for t, r in zip(self.tiers, self._state.ttl)}
+        out["admission_keys"] = len(self.admission)
+        out["loop_tasks"] = len(self._state.tasks)
+        out["pending_offloads"] = self._state.pending
+        return out
+
     # --- slabs: host staging, or device staging for GPU-direct tiers ---------------------------
     def gpu_direct(self, ti: int) -> bool:
         return self.tiers[ti].device_io is not None

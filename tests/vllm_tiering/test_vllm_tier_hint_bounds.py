@@ -97,7 +97,7 @@ def test_a_long_request_is_planned_a_few_times_and_each_chunk_retained_once(eng:
     assert st is not None and st.plan is not None
     assert st.plan.plans <= 2
     assert retains.keys == n  # each chunk given its retention once, not once per lookup pass
-    cls = eng.tier.store.retention_of(0)
+    cls = eng.tier.store.retention.retention_of(0)
     bks = block_keys(eng.tier.namespace, ks)
     assert cls.priority(bks[0]) == 100 and cls.priority(bks[-1]) == 100 - 127 // 2
 
@@ -137,7 +137,7 @@ def _protect(eng: Engine, ks: list[OffloadKey], scope: str = "chat") -> None:
 def test_another_tenants_session_end_releases_nothing_of_ours(eng: Engine) -> None:
     ours, theirs = keys(4, tag="tenant-a"), keys(4, tag="tenant-b")  # other salts: other chunk keys
     _protect(eng, ours)
-    cls = eng.tier.store.retention_of(0)
+    cls = eng.tier.store.retention.retention_of(0)
     bks = block_keys(eng.tier.namespace, ours)
     end = _request(eng, "b-final", _envelope(_retain("chat", {"priority": 0})), theirs,
                    params={"X-Dynamo-Session-Final": True})
@@ -155,7 +155,7 @@ def test_another_tenants_session_end_releases_nothing_of_ours(eng: Engine) -> No
 def test_another_session_can_raise_a_chunks_retention_but_never_lower_it(eng: Engine) -> None:
     ks = keys(4, tag="shared")
     _protect(eng, ks)
-    cls = eng.tier.store.retention_of(0)
+    cls = eng.tier.store.retention.retention_of(0)
     bks = block_keys(eng.tier.namespace, ks)
     for scope, directive in (("other", {"priority": 1, "duration": 1}), ("other", {"priority": 0}),
                              (None, {"priority": 1, "duration": 0})):
@@ -164,7 +164,7 @@ def test_another_session_can_raise_a_chunks_retention_but_never_lower_it(eng: En
         _lookup_each(eng, ctx, ks)
         _finish(eng, ctx)
         assert [cls.priority(b) for b in bks] == [100] * 4, (scope, directive)
-        assert all(cls.get(b).expiry > eng.tier.store.clock() + 3000 for b in bks)
+        assert all(cls.get(b).expiry > eng.tier.store.retention.clock() + 3000 for b in bks)
     assert not eng.tier.store.expire().blocks.get("ssd")  # nothing counts as expired
 
 
@@ -177,7 +177,7 @@ def test_random_hostile_envelopes_stay_bounded_and_never_lower_others(eng: Engin
     chunk = eng.tier._hints.chunk_tokens
     ks = keys(64, tag="victim")
     _protect(eng, ks, scope="vault")  # a session the attackers share a tenant with but do not name
-    cls = eng.tier.store.retention_of(0)
+    cls = eng.tier.store.retention.retention_of(0)
     bks = block_keys(eng.tier.namespace, ks)
     retains, prefetches = _Counted(eng.tier.store, "retain"), _Counted(eng.tier.store, "prefetch")
     for r in range(30):

@@ -36,7 +36,7 @@ def test_stored_chunks_get_the_retention_their_tokens_earn(tmp_path: Path) -> No
             ctx.set_offload_key_position(k, (i + 1) * chunk)
         eng.store(ks)
         eng.settle()
-        cls = eng.tier.store.retention_of(0)
+        cls = eng.tier.store.retention.retention_of(0)
         bks = block_keys(eng.tier.namespace, ks)
         assert [cls.priority(b) for b in bks] == [60, 60, 0, 0]  # only the chunks the range covers
         assert cls.get(bks[0]).expiry == cls.get(bks[1]).expiry is not None

@@ -110,7 +110,7 @@ def test_prefetch_brings_a_session_up_to_the_ssd_before_its_loads(session: tuple
     # on_new_request only queued it; nothing has looked the chunks up or loaded them yet
     _wait(lambda: all(ssd.contains(b) for b in bks), "prefetch did not bring the chunks to the SSD")
     assert eng.tier._hints.stats.applications(PREFETCH_ACTION, "queued") == 1
-    assert eng.tier.store.prefetch_stats.blocks == 6
+    assert eng.tier.store.retention.prefetch_stats.blocks == 6
     assert eng.lookup(ks) == [HIT] * 6
     assert all(np.array_equal(eng.read(k), payload(k)) for k in ks)
     hits = eng.tier.store.metrics.registry.get_sample_value
@@ -126,7 +126,7 @@ def test_prefetch_honours_the_token_range(session: tuple[Engine, list[OffloadKey
     _request(eng, "t2", _envelope(_prefetch("chat", start=20, end=70)), ks)
     _wait(lambda: all(ssd.contains(b) for b in bks[1:4]), "prefetch did not bring chunks 1-3")
     eng.tier.store.drain(10)
-    assert eng.tier.store.prefetch_stats.blocks == 3
+    assert eng.tier.store.retention.prefetch_stats.blocks == 3
     assert [ssd.contains(b) for b in bks] == [False, True, True, True, False, False]
 
 
@@ -165,7 +165,7 @@ def test_covers_output_protects_the_generated_chunks(tmp_path: Path) -> None:
             ctx.set_offload_key_position(k, (4 + i + 1) * CHUNK)
         eng.store(prompt + generated)
         eng.settle()
-        ssd = eng.tier.store.retention_of(0)
+        ssd = eng.tier.store.retention.retention_of(0)
         bks = block_keys(eng.tier.namespace, prompt + generated)
         assert [ssd.priority(b) for b in bks] == [80, 80, 80, 80, 50, 50, 50]
         now = time.time()

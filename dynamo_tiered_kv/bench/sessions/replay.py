@@ -101,7 +101,7 @@ def _store(root: Path, caps: dict[str, int], clock: SimClock, share: float, rb: 
              ObjectTier(LocalDirBackend(root / "obj"), capacity_bytes=caps["object"], ttl_s=None)]
     pool = StagingPool(64 * rb, 8, pin=False)
     store = TieredStore(tiers, NS, pool, write_depth=3, clock=clock, retain_max_share=share)
-    store.note_record_bytes(rb)
+    store.retention.note_record_bytes(rb)
     return store
 
 
@@ -197,7 +197,7 @@ def _replay(policy: str, trace: list[Session], args: argparse.Namespace, root: P
         expired_left["ssd"] = bytes_held_by(root / "ssd", expired, dead=True)  # physical (module docstring)
         obj = store.tiers[2]
         s3_read = obj.stats.records_read * rb  # type: ignore[attr-defined]
-        yielded = sum(store.retention_of(i).yielded for i in range(3))
+        yielded = sum(store.retention.retention_of(i).yielded for i in range(3))
     finally:
         store.close()
     total = sum(tiers.values()) or 1
@@ -217,7 +217,7 @@ def _replay(policy: str, trace: list[Session], args: argparse.Namespace, root: P
         "expired_bytes_left": expired_left,
         "ssd_allocated_bytes": {"before_final_gc": ssd_before, "after_final_gc": ssd_after},
         "protection_yields": yielded,
-        "prefetch": vars(store.prefetch_stats),
+        "prefetch": vars(store.retention.prefetch_stats),
     }
 
 

@@ -139,7 +139,7 @@ class HintApplier:
         if st.owner is None:
             st.owner = holder(request_tenant(req_context), retain)
             st.plan = RetentionCursor(retain, block_size=self.chunk_tokens, prompt_tokens=prompt_tokens(req_context),
-                                      now=self.store.clock())
+                                      now=self.store.retention.clock())
         got: list[tuple[BlockKey, BlockRetention, int]] = []
         for key, bk in zip(keys, bks):
             if bk in st.retained:

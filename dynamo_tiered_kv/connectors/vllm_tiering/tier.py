@@ -168,7 +168,7 @@ class DynamoTieredKVTier(SecondaryTierManager):
             until = self._pending.get(bk)
             if until is None:
                 return LookupResult.MISS
-            if time.monotonic() < until and self.store.pending_offloads:
+            if time.monotonic() < until and self.store.writer.pending_offloads:
                 return LookupResult.RETRY
             self._pending.pop(bk, None)  # its write failed or was dropped
         return LookupResult.MISS
@@ -268,8 +268,8 @@ class DynamoTieredKVTier(SecondaryTierManager):
             del self._pending[next(iter(self._pending))]
 
     def _has_room(self) -> bool:
-        store = self.store
-        return store.staging.free_count > 0 and store.pending_offloads < store.max_pending_offloads
+        writer = self.store.writer
+        return self.store.staging.free_count > 0 and writer.pending_offloads < writer.max_pending_offloads
 
     def _load(self, job_id: int, ids: list[int], keys: list[OffloadKey], deadline: float) -> JobResult:
         t0 = time.monotonic()
