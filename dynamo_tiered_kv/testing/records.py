@@ -10,6 +10,7 @@ from ..bench._keys import random_key
 from ..blocks.codec import encode_payload, record_bytes
 from ..blocks.keys import KEY_BYTES, ROOT_KEY
 from ..blocks.layout import BlockShape, CanonicalFormat, DType
+from ..blocks.tenant import DEFAULT_TENANT
 
 __all__ = ["TEST_NAMESPACE", "make_record", "random_key", "small_shape"]
 
@@ -29,11 +30,12 @@ def make_record(
     shape: BlockShape | None = None,
     parent: bytes = ROOT_KEY,
     namespace: bytes = TEST_NAMESPACE,
+    tenant: bytes = DEFAULT_TENANT,
 ) -> bytes:
-    """A valid encoded record whose payload is derived from ``seed``."""
+    """A valid encoded record of ``tenant`` whose payload is derived from ``seed``."""
     shape = shape or small_shape()
     rng = np.random.default_rng(seed)
     payload = rng.integers(0, 256, shape.payload_bytes, dtype=np.uint8)
     out = np.zeros(record_bytes(shape), dtype=np.uint8)
-    encode_payload(payload, shape, namespace, key, parent, out)
+    encode_payload(payload, shape, namespace, key, parent, out, tenant=tenant)
     return out.tobytes()

@@ -17,6 +17,11 @@ OS for nothing and slow start-up by the registration of every page.
 into a staging slab): a pinned record's chunks are not reused until ``HostPin.release``, even if
 the key is evicted, overwritten or deleted meanwhile (its bytes then briefly count as free).
 
+Tenants (``policy/quotas.py``): every record's tenant (its header's tenant field) is counted in a
+ledger; with quotas, a tenant at its limit evicts its own blocks (per-tenant LRU orders, the same
+retention rules) and a full arena evicts tenants over their limit first, so one tenant's traffic
+never evicts another's blocks held within its limit.
+
 Threads: the store's loop writes, reads and deletes; loading threads pin and unpin; engine threads
 ask ``contains``/``size_of``. The index, free list, pin counts and byte count are changed only under
 ``_lock``; ``contains`` and ``size_of`` are one dict lookup each without it (atomic under the GIL,
@@ -32,8 +37,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from ..blocks.codec import record_tenant
 from ..blocks.keys import BlockKey
 from ..errors import TierFull
+from ..policy.quotas import TenantLedger, TenantQuotas
 from ..staging.slabs import Slab
 from .base import ByteRange, ReadRequest, Tier, TierCapabilities, TierUsage, check_range
 
@@ -55,6 +62,7 @@ class HostTier(Tier):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         pin: bool = False,
         on_evict: Callable[[BlockKey], None] | None = None,
+        quotas: TenantQuotas | None = None,
     ) -> None:
         if capacity_bytes <= 0 or chunk_bytes <= 0:
             raise ValueError("capacity_bytes and chunk_bytes must be positive")
@@ -70,6 +78,11 @@ class HostTier(Tier):
         self._on_evict = on_evict
         self._pins: dict[int, int] = {}  # id(chunk list) -> pin count; a pinned list is alive, so ids are unique
         self._unfreed: dict[int, list[int]] = {}  # pinned chunk lists whose key was dropped
+        self._tenant_of: dict[BlockKey, bytes] = {}
+        self.ledger = TenantLedger()
+        self._quotas = quotas if quotas is not None and quotas.enforced else None
+        # per-tenant LRU orders, kept only when quotas are enforced (a read then moves a key in two)
+        self._lru: dict[bytes, OrderedDict[BlockKey, None]] = {}
 
     # --- index --------------------------------------------------------------------------
     def contains(self, key: BlockKey) -> bool:
@@ -103,7 +116,7 @@ class HostTier(Tier):
                 return None
             length, chunks = e
             off, n = check_range(length, into, byte_range)
-            self._index.move_to_end(key)
+            self._touch(key)
             c = self._chunk
             pos = 0
             while pos < n:
@@ -136,7 +149,7 @@ class HostTier(Tier):
                 if e is None:
                     break
                 length, chunks = e
-                self._index.move_to_end(key)
+                self._touch(key)
                 c0 = chunks[0] if chunks else 0
                 if len(chunks) == 1 or chunks == list(range(c0, c0 + len(chunks))):
                     views.append(arena[c0 * c:c0 * c + length])
@@ -184,18 +197,22 @@ class HostTier(Tier):
 
     def _store_locked(self, key: BlockKey, src: np.ndarray, need: int, evicted: list[BlockKey]) -> None:
         self._drop(key)
-        if len(self._free) < need and self._retention is not None:
-            for old, _ in self._retention.expired():  # expired blocks go before any other
-                if self._drop(old):
-                    evicted.append(old)
+        tenant = record_tenant(src)
+        quotas = self._quotas
+        if quotas is not None:  # room within the tenant's own limit, from its own blocks
+            if src.nbytes > quotas.limit(tenant):
+                raise TierFull(f"host tier: a {src.nbytes}-byte record exceeds its tenant's quota")
+            if self.ledger.bytes_of(tenant) + src.nbytes > quotas.limit(tenant):
+                self._drop_expired_locked(evicted, tenant)
+            while self.ledger.bytes_of(tenant) + src.nbytes > quotas.limit(tenant):
+                self._evict_locked(self._victim_locked(tenant), evicted)
+        if len(self._free) < need:
+            self._drop_expired_locked(evicted)
         while len(self._free) < need:
             if not self._index:  # the rest is pinned by loads in progress
                 raise TierFull(f"host tier: {src.nbytes} bytes do not fit beside pinned records")
-            old = self._victim_locked()
-            self._drop(old)
-            evicted.append(old)
-            if self._retention is not None:
-                self._retention.forget([old])
+            over = self.ledger.over(quotas) if quotas is not None else []
+            self._evict_locked(self._victim_locked(over[0] if over else None), evicted)
         chunks = [self._free.pop() for _ in range(need)]
         c = self._chunk
         for i, ch in enumerate(chunks):
@@ -203,30 +220,62 @@ class HostTier(Tier):
             self._chunks[ch, : part.nbytes] = part
         self._index[key] = (src.nbytes, chunks)
         self._used += src.nbytes
+        self._tenant_of[key] = tenant
+        self.ledger.add(tenant, src.nbytes)
+        if quotas is not None:
+            self._lru.setdefault(tenant, OrderedDict())[key] = None
 
-    def _victim_locked(self) -> BlockKey:
-        """The least recently used unprotected key; if every key is protected, the lowest class."""
+    def _drop_expired_locked(self, evicted: list[BlockKey], tenant: bytes | None = None) -> None:
+        """Expired blocks (of ``tenant``, or of anyone) go before any other."""
+        if self._retention is None:
+            return
+        for old, _ in self._retention.expired():
+            if (tenant is None or self._tenant_of.get(old) == tenant) and self._drop(old):
+                evicted.append(old)
+
+    def _evict_locked(self, key: BlockKey, evicted: list[BlockKey]) -> None:
+        self._drop(key)
+        evicted.append(key)
+        if self._retention is not None:
+            self._retention.forget([key])
+
+    def _touch(self, key: BlockKey) -> None:
+        self._index.move_to_end(key)
+        if self._quotas is not None:
+            self._lru[self._tenant_of[key]].move_to_end(key)
+
+    def _victim_locked(self, tenant: bytes | None = None) -> BlockKey:
+        """The least recently used unprotected key (of ``tenant``, or of anyone); if every such
+        key is protected, the lowest class."""
+        order = self._index if tenant is None else self._lru[tenant]
         cls = self._retention
         if cls is None or not len(cls):
-            return next(iter(self._index))
+            return next(iter(order))
         now = cls.clock()
         skipped: list[BlockKey] = []
         victim: BlockKey | None = None
-        for k in self._index:
+        for k in order:
             if not cls.protected(k, now):
                 victim = k
                 break
             skipped.append(k)
         if victim is None:  # only protected blocks (the share bound keeps this rare): lowest yields
-            return min(self._index, key=lambda k: cls.rank(k, now))
+            return min(order, key=lambda k: cls.rank(k, now))
         for k in skipped:
-            self._index.move_to_end(k)
+            self._touch(k)
         return victim
 
     def _drop(self, key: BlockKey) -> bool:
         e = self._index.pop(key, None)
         if e is None:
             return False
+        tenant = self._tenant_of.pop(key)
+        self.ledger.remove(tenant, e[0])
+        if self._quotas is not None:
+            order = self._lru[tenant]
+            del order[key]
+            if not order:
+                del self._lru[tenant]
         if id(e[1]) in self._pins:
             self._unfreed[id(e[1])] = e[1]  # a load reads it in place: free its chunks on unpin
         else:
@@ -241,6 +290,9 @@ class HostTier(Tier):
     async def close(self) -> None:
         with self._lock:
             self._index.clear()
+            self._tenant_of.clear()
+            self._lru.clear()
+            self.ledger.clear()
             self._used = 0
 
 
