@@ -16,10 +16,16 @@ alone, and ``forget`` (the tier dropped the block) drops every claim. A block ke
 block's current class) and counted (``dtkv_retention_dropped_claims_total``).
 
 Protection is bounded so hints can never wedge a tier: at most ``max_share`` of the tier's
-capacity may be protected. A new protection that goes beyond the bound makes the lowest
-protections yield (lowest priority, then earliest expiry, by the strongest claim; the newcomer
-too if it is the lowest): a yielded block loses every claim and stays cached as an ordinary
-one. Each yield is counted (``dtkv_retention_yielded_blocks_total``).
+capacity may be protected, and per tenant (the first element of a ``(tenant, scope)`` holder;
+other holders share the tenant ``""``) at most ``max_share`` of that tenant's own limit on the
+tier (``tenant_limit``; without one, of the capacity). A protection beyond its tenant's bound
+makes that tenant's lowest protections yield (lowest priority, then earliest expiry, by the
+strongest claim; the newcomer too if it is the lowest); beyond the tier's bound, the tenant
+holding the most protected bytes yields its lowest first, so one tenant's hints can neither
+exceed its share nor push another tenant's protections out while it holds more than they do.
+A yielded block loses every claim and stays cached as an ordinary one. Each yield is counted
+(``dtkv_retention_yielded_blocks_total``). A block counts toward the tenant of its first claim
+(blocks are keyed per tenant, so its holders are of one tenant or anonymous).
 
 The clock is injected (``clock``), so tests and the session benchmark run hours of retention
 on a compressed clock; production uses ``time.time`` so expiries mean the same in every
@@ -72,6 +78,13 @@ DROPPED = Counter("dtkv_retention_dropped_claims", "Claims dropped because a blo
 PROTECTED_BYTES = Gauge("dtkv_retention_protected_bytes", "Bytes of protected blocks", ["tier"])
 
 Claim = tuple[Holder, int, float | None]  # (holder, priority, expiry)
+
+
+def _tenant_of(holder: Holder) -> str:
+    """The tenant of a ``(tenant, scope)`` holder; ``""`` for any other holder."""
+    if isinstance(holder, tuple) and len(holder) == 2 and isinstance(holder[0], str):
+        return holder[0]
+    return ""
 
 
 def _order(priority: int, expiry: float | None) -> tuple[int, float]:
@@ -146,18 +159,21 @@ class RetentionClasses:
     """The retained blocks of one tier (module docstring)."""
 
     def __init__(self, capacity_bytes: int, *, max_share: float = DEFAULT_MAX_SHARE,
-                 clock: Callable[[], float] = time.time, tier: str = "tier") -> None:
+                 clock: Callable[[], float] = time.time, tier: str = "tier",
+                 tenant_limit: Callable[[str], int] | None = None) -> None:
         if not 0.0 <= max_share <= 1.0:
             raise ValueError("max_share must be in [0, 1]")
         self.capacity_bytes = capacity_bytes
         self.max_share = max_share
         self.clock = clock
         self.tier = tier
+        self._tenant_limit = tenant_limit
         self._map: dict[BlockKey, _Claims] = {}
         self._bytes = 0
+        self._tenant_bytes: dict[str, int] = {}
         # lazy heaps: an entry is current while its key's record still has the entry's order
         # (``top()`` for the bound, ``end()`` for expiry); duplicates of a current entry are harmless
-        self._by_rank: list[tuple[int, float, int, BlockKey]] = []
+        self._by_rank: dict[str, list[tuple[int, float, int, BlockKey]]] = {}  # per tenant
         self._by_expiry: list[tuple[float, int, BlockKey]] = []
         self._seq = itertools.count()
         self._lock = threading.Lock()
@@ -182,10 +198,21 @@ class RetentionClasses:
     def bound_bytes(self) -> int:
         return int(self.capacity_bytes * self.max_share)
 
+    def tenant_bound_bytes(self, tenant: str) -> int:
+        """The protected bytes ``tenant`` may hold (module docstring)."""
+        if self._tenant_limit is None:
+            return self.bound_bytes
+        return min(self.bound_bytes, int(self._tenant_limit(tenant) * self.max_share))
+
+    def tenant_protected_bytes(self) -> dict[str, int]:
+        """Protected bytes by tenant, a copy."""
+        with self._lock:
+            return dict(self._tenant_bytes)
+
     @property
     def heap_entries(self) -> tuple[int, int]:
         """Entries in the (share-bound, expiry) heaps, stale ones included."""
-        return len(self._by_rank), len(self._by_expiry)
+        return sum(map(len, self._by_rank.values())), len(self._by_expiry)
 
     def get(self, key: BlockKey, now: float | None = None) -> Retained | None:
         """The effective claim: the strongest running one; once all lapsed, the strongest (its
@@ -239,8 +266,9 @@ class RetentionClasses:
                 claims.remove(min(claims, key=lambda c: _order(c[1], c[2])))
                 self.dropped_claims += 1
                 DROPPED.labels(self.tier).inc()
-            self._put_locked(key, _Claims.of(nbytes, claims), old)
-            self._bound_locked()
+            new = _Claims.of(nbytes, claims)
+            self._put_locked(key, new, old)
+            self._bound_locked(_tenant_of(new.holder))
             kept = key in self._map
         PROTECTED_BYTES.labels(self.tier).set(self._bytes)
         return kept
@@ -275,42 +303,73 @@ class RetentionClasses:
     def _put_locked(self, key: BlockKey, new: _Claims, old: _Claims | None) -> None:
         self._map[key] = new
         self._bytes += new.nbytes - (0 if old is None else old.nbytes)
+        tenant = _tenant_of(new.holder)
+        moved = old is None or _tenant_of(old.holder) != tenant
+        if old is not None:
+            self._count_locked(_tenant_of(old.holder), -old.nbytes)
+        self._count_locked(tenant, new.nbytes)
         top, end = new.top(), new.end()
         seq = next(self._seq)
-        if old is None or old.top() != top:
-            heapq.heappush(self._by_rank, (*top, seq, key))
+        if moved or old.top() != top:
+            heapq.heappush(self._by_rank.setdefault(tenant, []), (*top, seq, key))
         if end is not None and (old is None or old.end() != end):
             heapq.heappush(self._by_expiry, (end, seq, key))
         self._note_locked(key)
         self._compact_locked()
 
+    def _count_locked(self, tenant: str, nbytes: int) -> None:
+        n = self._tenant_bytes.get(tenant, 0) + nbytes
+        if n > 0:
+            self._tenant_bytes[tenant] = n
+        else:
+            self._tenant_bytes.pop(tenant, None)
+
     def _drop_locked(self, key: BlockKey) -> _Claims | None:
         c = self._map.pop(key, None)
         if c is not None:
             self._bytes -= c.nbytes
+            self._count_locked(_tenant_of(c.holder), -c.nbytes)
             self._note_locked(key)
         return c
 
     def _compact_locked(self) -> None:
         """Rebuild a heap from the live records once its stale entries outnumber them."""
         limit = 2 * len(self._map) + _SLACK
-        if len(self._by_rank) > limit:
-            self._by_rank = [(*c.top(), next(self._seq), k) for k, c in self._map.items()]
-            heapq.heapify(self._by_rank)
+        if sum(map(len, self._by_rank.values())) > limit:
+            heaps: dict[str, list[tuple[int, float, int, BlockKey]]] = {}
+            for k, c in self._map.items():
+                heaps.setdefault(_tenant_of(c.holder), []).append((*c.top(), next(self._seq), k))
+            for h in heaps.values():
+                heapq.heapify(h)
+            self._by_rank = heaps
         if len(self._by_expiry) > limit:
             self._by_expiry = [(end, next(self._seq), k) for k, c in self._map.items() if (end := c.end()) is not None]
             heapq.heapify(self._by_expiry)
 
-    def _bound_locked(self) -> None:
+    def _bound_locked(self, tenant: str) -> None:
+        bound = self.tenant_bound_bytes(tenant)
+        while self._tenant_bytes.get(tenant, 0) > bound and self._yield_locked(tenant):
+            pass
         bound = self.bound_bytes
-        while self._bytes > bound and self._by_rank:
-            p, e, _, key = heapq.heappop(self._by_rank)
+        while self._bytes > bound and self._tenant_bytes:
+            largest = max(self._tenant_bytes, key=self._tenant_bytes.__getitem__)
+            if not self._yield_locked(largest):
+                break
+        self._compact_locked()
+
+    def _yield_locked(self, tenant: str) -> bool:
+        """Drop ``tenant``'s lowest protection; False if it has none left in its heap."""
+        heap = self._by_rank.get(tenant)
+        while heap:
+            p, e, _, key = heapq.heappop(heap)
             c = self._map.get(key)
-            if c is not None and c.top() == (p, e):
+            if c is not None and c.top() == (p, e) and _tenant_of(c.holder) == tenant:
                 self._drop_locked(key)
                 self.yielded += 1
                 YIELDED.labels(self.tier).inc()
-        self._compact_locked()
+                return True
+        self._by_rank.pop(tenant, None)
+        return False
 
     # --- following changes ----------------------------------------------------------------------
     def _note_locked(self, key: BlockKey) -> None:
