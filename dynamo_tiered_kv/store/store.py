@@ -5,7 +5,10 @@ offload, deferred encode, write-behind into the written tiers), a reader (``stor
 the restore pipeline) and a retention service (``store.retention``: retain, prefetch, demote,
 expire). What they share (the tiers, the loop, pending counts, TTL tracking, condemned records) is
 one ``StoreState`` (``store.state``) each is given explicitly; this module holds the store's loop,
-its lifecycle and the engine-facing entry points.
+its lifecycle and the engine-facing entry points, and nothing else: tools, benchmarks and adapters
+that read a part's tables and counters (pending offloads, retention tables, prefetch and expiry
+counters, the retention clock) reach the part through the read-only ``writer``, ``reader`` and
+``retention`` attributes.
 
 Threads and ownership
 ---------------------
