@@ -131,7 +131,7 @@ def _stall_host_copy(tier: Any, stall: Stall) -> None:
 
 
 def _stall_ssd_pread(tier: Any, stall: Stall) -> None:
-    io = tier._io
+    io = tier._state.io
     real = io.read
 
     def read(fd: int, bufs: Sequence[Any], offset: int) -> None:
@@ -157,7 +157,7 @@ def _host_unpinned(tier: Any) -> bool:
 
 
 def _ssd_unreferenced(tier: Any) -> bool:
-    return all(s.readers == 0 for s in tier._segments.values())
+    return all(s.readers == 0 for s in tier._state.segments.values())
 
 
 def _object_idle(tier: Any) -> bool:

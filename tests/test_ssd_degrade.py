@@ -100,7 +100,7 @@ async def test_enospc_stops_writes_but_keeps_serving_reads(small_tmpfs: Path) ->
         with pytest.raises(TierUnavailable, match="not accepting writes"):  # fails fast until the retry time
             await t.write(k, memoryview(v))
         filler.unlink()
-        t._write_retry_s = 0  # the retry period has passed
+        t._state.write_retry_s = 0  # the retry period has passed
         await t.write(k, memoryview(v))  # space is back: writes resume
         stored.append((k, v))
     finally:

@@ -53,6 +53,6 @@ def test_build_store_gives_the_ssd_tier_its_namespace(tmp_path: Path) -> None:
     store = build_store(cfg, ns)
     try:
         [ssd] = [t for t in store.tiers if isinstance(t, SSDTier)]
-        assert ssd._namespace == ns.digest
+        assert ssd.namespace == ns.digest
     finally:
         store.close()

@@ -271,9 +271,9 @@ async def test_eviction_reads_footer_and_unlinks_without_the_index_lock(tmp_path
     real_unlink = Path.unlink
 
     def lock_held() -> bool:
-        free = t._lock.acquire(blocking=False)
+        free = t._state.lock.acquire(blocking=False)
         if free:
-            t._lock.release()
+            t._state.lock.release()
         return not free
 
     def footer_probe(*a, **kw):

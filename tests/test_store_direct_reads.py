@@ -100,8 +100,8 @@ def test_a_direct_load_without_a_deadline_reads_its_first_part_on_the_calling_th
 def test_a_corrupt_record_fails_from_there_on_in_either_part(pool, ssd, bad: int) -> None:
     store, src, keys = _filled([ssd], pool, 8, load_chunk_bytes=4 * REC, load_first_chunk_bytes=REC)
     with store:
-        seq, off, _ = ssd._index.get(keys[bad])
-        with open(ssd._segments[seq].path, "r+b") as f:
+        path, off, _ = ssd.location(keys[bad])
+        with open(path, "r+b") as f:
             f.seek(off + REC - 64)
             b = f.read(1)
             f.seek(off + REC - 64)

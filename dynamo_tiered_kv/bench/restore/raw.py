@@ -29,10 +29,10 @@ def locate(store: Any, keys: list[Any], tier_name: str) -> list[Extent]:
     out: list[Extent] = []
     for k in keys:
         if tier_name == "ssd":
-            loc = tier._index.get(k)  # the SSD tier has no public locator; a benchmark may peek
+            loc = tier.location(k)
             if loc is not None:
-                seq, off, ln = loc
-                out.append((str(tier._segments[seq].path), off, ln))
+                path, off, ln = loc
+                out.append((str(path), off, ln))
         elif tier_name == "object":
             where = tier.location(k)
             if where is not None:

@@ -13,25 +13,23 @@ tells when keys left it (deleted, superseded, dropped as corrupt), and each rank
 it holds until (a claim lapsing can change it). A pick then costs one check per segment holding
 retained keys plus work for what changed since the previous pick.
 
-``EvictionMixin`` is mixed into ``SSDTier`` only and uses its segment table, index, lock and I/O
-path; it is split out to keep ``tier.py`` short. It runs on the writer thread, the only one that
-adds or removes segments (docs/SSD.md section 8).
+``Evictor`` is the part of ``SSDTier`` that makes room: it works on the shared
+``SegmentLogState`` and runs on the writer thread, the only one that adds or removes segments
+(docs/SSD.md section 8).
 """
 
 from __future__ import annotations
 
 import math
-import threading
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ...errors import TierFull
 from . import metrics
-from .flushing import SegmentState
 from .index import CompactIndex
-from .io import PosixIO
 from .segment import flushed_marker, read_footer_at
+from .state import SegmentLogState, SegmentState
 
 if TYPE_CHECKING:
     from ...policy.retention import RetentionClasses
@@ -48,7 +46,7 @@ class _SegmentRetention:
 class RetainedSegments:
     """Segment seq -> the retained keys it holds and its retention rank (module docstring).
 
-    Not thread-safe: the tier calls it under its lock only.
+    Not thread-safe: ``Evictor`` calls it under the state's lock only.
     """
 
     def __init__(self) -> None:
@@ -146,98 +144,98 @@ class RetainedSegments:
         return moved
 
 
-class EvictionMixin:
-    """``_make_room`` and the evictability rule of ``SSDTier``."""
+class Evictor:
+    """``make_room`` and the evictability rule of ``SSDTier`` (module docstring).
 
-    _lock: threading.Lock
-    _index: CompactIndex
-    _segments: dict[int, SegmentState]
-    _io: PosixIO | None
-    _capacity: int
-    _used: int
-    _allow_unflushed: bool | None
-    _flusher_attached: bool
-    #: the tier's retention table (``Tier.configure_retention``): ranks segments; None: plain LRU
-    _retention: RetentionClasses | None
-    #: per-segment retention ranks, built on the first victim pick that has a retention table
-    _retained_segments: RetainedSegments | None = None
+    Built by ``SSDTier`` with the shared ``SegmentLogState``, whether unflushed segments may go
+    (``allow_unflushed``; None: until a flusher attaches), the tier's retention table as it is
+    now (``retention``: ``Tier.configure_retention`` may replace it; None: plain LRU) and the
+    tier's report of dropped keys (``report_evicted``: the residency hook). Threads: the writer
+    thread; ``*_locked`` methods are called with the state's lock held.
+    """
 
-    def _close_fd(self, fd: int) -> None:
-        raise NotImplementedError  # SSDTier's
+    def __init__(self, state: SegmentLogState, *, allow_unflushed: bool | None,
+                 retention: Callable[[], RetentionClasses | None],
+                 report_evicted: Callable[[list[bytes]], None]) -> None:
+        self._state = state
+        self._allow_unflushed = allow_unflushed
+        self._retention = retention
+        self._report_evicted = report_evicted
+        #: per-segment retention ranks, built on the first victim pick that has a retention table
+        self._retained: RetainedSegments | None = None
 
-    if TYPE_CHECKING:
-        def _report_evicted(self, keys: list[bytes]) -> None: ...  # Tier's
-
-    def _evictable(self, seg: SegmentState) -> bool:
-        allow = self._allow_unflushed if self._allow_unflushed is not None else not self._flusher_attached
+    def evictable(self, seg: SegmentState) -> bool:
+        allow = self._allow_unflushed if self._allow_unflushed is not None else not self._state.flusher_attached
         return seg.sealed and not seg.dead and seg.pins == 0 and (seg.flushed or allow)
 
-    def _make_room(self, need: int) -> None:
+    def make_room(self, need: int) -> None:
         """Evict least recently used segments until ``need`` more bytes fit the budget.
 
-        Runs on the writer thread, the only one that adds or removes segments. The lock is held
-        only to pick a victim and to drop its index entries, never across the footer read or the
-        unlink, so lookups (``contains`` on the scheduler's hot path) never wait on the disk.
+        Raises ``TierFull`` when evicting every evictable segment would not make room. The lock
+        is held only to pick a victim and to drop its index entries, never across the footer
+        read or the unlink, so lookups (``contains`` on the scheduler's hot path) never wait on
+        the disk.
         """
+        st = self._state
         while True:
-            with self._lock:
-                if self._used + need <= self._capacity:
+            with st.lock:
+                if st.used + need <= st.capacity:
                     return
-                victims = [s for s in self._segments.values() if self._evictable(s)]
-                if not victims or self._used - sum(s.size for s in victims) + need > self._capacity:
-                    raise TierFull(f"SSD tier needs {need} bytes, holds {self._used} of {self._capacity}, and "
+                victims = [s for s in st.segments.values() if self.evictable(s)]
+                if not victims or st.used - sum(s.size for s in victims) + need > st.capacity:
+                    raise TierFull(f"SSD tier needs {need} bytes, holds {st.used} of {st.capacity}, and "
                                    "evicting every evictable segment (sealed, not pinned, flushed or allowed "
                                    "unflushed) would not make room")
                 ranks = self._segment_ranks_locked()
                 victim = min(victims, key=lambda s: (ranks.get(s.seq, 0), s.last_used))
             footer = read_footer_at(victim.path, victim.size)
-            with self._lock:
-                if not self._evictable(victim):  # the flusher pinned it meanwhile: pick again
+            with st.lock:
+                if not self.evictable(victim):  # the flusher pinned it meanwhile: pick again
                     continue
-                gone = self._evict_locked(victim, None if footer is None else footer.entries["key"].tolist())
+                gone = self.evict_locked(victim, None if footer is None else footer.entries["key"].tolist())
             for p in (victim.path, flushed_marker(victim.path)):
                 p.unlink(missing_ok=True)
             metrics.EVICTED_SEGMENTS.inc()
-            metrics.USED_BYTES.set(self._used)
+            metrics.USED_BYTES.set(st.used)
             self._report_evicted(gone)
 
     def _segment_ranks_locked(self) -> dict[int, int]:
         """Segment seq -> its retention rank (absent: 0). Costs one check per segment holding a
         retained key plus the changes since the previous pick (module docstring)."""
-        cls = self._retention
+        cls = self._retention()
         if cls is None:
             return {}
-        rs = self._retained_segments
+        st = self._state
+        rs = self._retained
         changes = cls.take_changes()
         if rs is None or changes is None:
-            rs = self._retained_segments = RetainedSegments()
-            rs.rebuild(cls, self._index)
+            rs = self._retained = RetainedSegments()
+            rs.rebuild(cls, st.index)
         else:
-            rs.changed(changes, cls, self._index)
-        return rs.ranks(cls, self._index, self._segments, cls.clock())
+            rs.changed(changes, cls, st.index)
+        return rs.ranks(cls, st.index, st.segments, cls.clock())
 
-    def _retained_arrived_locked(self, seq: int, keys: Iterable[bytes]) -> None:
-        """The write path: ``keys`` now live in segment ``seq`` (called under the tier lock)."""
-        rs, cls = self._retained_segments, self._retention
+    def arrived_locked(self, seq: int, keys: Iterable[bytes]) -> None:
+        """The write path: ``keys`` now live in segment ``seq`` (under the state's lock)."""
+        rs, cls = self._retained, self._retention()
         if rs is not None and cls is not None:
             rs.arrived(seq, keys, cls)
 
-    def _evict_locked(self, seg: SegmentState, keys: list[bytes] | None) -> list[bytes]:
+    def evict_locked(self, seg: SegmentState, keys: list[bytes] | None) -> list[bytes]:
         """Forget ``seg`` (its index entries, its bytes); its fd closes when the last reader leaves.
 
         Returns the keys this dropped (not those a later segment holds a newer copy of).
         """
-        assert self._io is not None
+        st = self._state
         if keys is None:  # cannot happen for a file we sealed; fall back to a full index sweep
-            keys = list(self._index.keys())
-        gone = [key for key in keys if self._index.pop(key, only_seq=seg.seq) is not None]
-        if self._retention is not None:
-            self._retention.forget(gone)
-        if self._retained_segments is not None:
-            self._retained_segments.dropped(seg.seq)
-        del self._segments[seg.seq]
-        seg.dead = True
-        self._used -= seg.size
-        if seg.readers == 0:
-            self._close_fd(seg.fd)
+            keys = list(st.index.keys())
+        gone = [key for key in keys if st.index.pop(key, only_seq=seg.seq) is not None]
+        cls = self._retention()
+        if cls is not None:
+            cls.forget(gone)
+        if self._retained is not None:
+            self._retained.dropped(seg.seq)
+        del st.segments[seg.seq]
+        st.used -= seg.size
+        st.retire_locked(seg)
         return gone

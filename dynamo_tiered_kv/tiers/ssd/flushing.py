@@ -1,80 +1,61 @@
-"""The tier's in-memory segment state, and the ``SegmentSource`` face it shows the flusher.
+"""The ``SegmentSource`` face the SSD tier shows the object-tier flusher: sealed segments to
+upload (live records only), pins that keep them from eviction during an upload, and the durable
+``flushed`` mark (a marker file beside the segment).
 
-``SegmentSourceMixin`` holds the four ``tiers.segments.SegmentSource`` methods. It is mixed into
-``SSDTier`` only and uses the tier's segment table (``_segments``), lock (``_lock``) and rank
-directory; it is split out to keep the flusher contract in one short file.
+``FlushSource`` holds the four ``tiers.segments.SegmentSource`` methods; ``SSDTier`` delegates
+them to it.
 """
 
 from __future__ import annotations
 
 import os
-import threading
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..segments import SealedSegment, SegmentEntry
-from .index import CompactIndex
 from .recovery import fsync_dir
 from .segment import flushed_marker, read_footer_at
+from .state import SegmentLogState, SegmentState
 
 if TYPE_CHECKING:
     from ..base import ResidencyHook
 
 
-@dataclass(eq=False)
-class SegmentState:
-    seq: int
-    path: Path
-    fd: int
-    data_bytes: int
-    size: int  # bytes the file holds (sealed) or will hold once sealed (open: data + footer)
-    sealed: bool
-    flushed: bool = False
-    sealed_at: float = 0.0
-    last_used: int = 0
-    pins: int = 0
-    readers: int = 0
-    dead: bool = False
-    entries: list[tuple[bytes, int, int]] = field(default_factory=list)  # open segment only
-    sealed_entries: tuple[SegmentEntry, ...] | None = None  # cached for the flusher
+class FlushSource:
+    """Sealed segments for the object-tier flusher: list, pin, mark flushed (durably).
 
+    Built by ``SSDTier`` with the shared ``SegmentLogState`` and a getter of the tier's residency
+    hook as it is now (``Tier.set_residency_hook`` may replace it): told which keys reached the
+    object tier. Threads: the flusher's (any thread); segment counters under the state's lock,
+    file work outside it.
+    """
 
-class SegmentSourceMixin:
-    """Sealed segments for the object-tier flusher: list, pin, mark flushed (durably)."""
-
-    rank_dir: Path
-    _segments: dict[int, SegmentState]
-    _lock: threading.Lock
-    _flusher_attached: bool
-    _index: CompactIndex
-    #: the store's listener (``Tier.set_residency_hook``): told which keys reached the object tier
-    _residency_hook: ResidencyHook | None
-
-    # --- SegmentSource (for the object-tier flusher) ----------------------------------------
-    def _segment_id(self, seq: int) -> str:
-        return f"{self.rank_dir.name}/{seq:08d}"
+    def __init__(self, state: SegmentLogState, residency_hook: Callable[[], ResidencyHook | None]) -> None:
+        self._state = state
+        self._residency_hook = residency_hook
 
     def _seg_by_id(self, segment_id: str) -> SegmentState | None:
         rank_name, _, seq = segment_id.rpartition("/")
-        if rank_name != self.rank_dir.name or not seq.isdigit():
+        if rank_name != self._state.rank_dir.name or not seq.isdigit():
             return None
-        return self._segments.get(int(seq))
+        return self._state.segments.get(int(seq))
 
     def _live(self, seq: int, entries: tuple[SegmentEntry, ...]) -> tuple[SegmentEntry, ...]:
         """The entries whose key the index still places at that record: a record deleted (expired,
         demoted, released) or superseded since the seal is not published, so it cannot come back
         through the object tier."""
-        with self._lock:
-            return tuple(e for e in entries if (loc := self._index.get(e.key)) is not None
+        st = self._state
+        with st.lock:
+            return tuple(e for e in entries if (loc := st.index.get(e.key)) is not None
                          and loc[0] == seq and loc[1] == e.offset)
 
     def unflushed_segments(self) -> list[SealedSegment]:
         """Sealed segments not yet in the object tier, oldest first, each with its live records
         only (one with none is left to reclaim). Marks a flusher as attached."""
-        self._flusher_attached = True
-        with self._lock:
-            segs = sorted((s for s in self._segments.values() if s.sealed and not s.flushed and not s.dead),
+        st = self._state
+        st.flusher_attached = True
+        with st.lock:
+            segs = sorted((s for s in st.segments.values() if s.sealed and not s.flushed and not s.dead),
                           key=lambda s: s.seq)
         out = []
         for s in segs:
@@ -88,7 +69,7 @@ class SegmentSourceMixin:
                     footer.entries["length"].tolist()))
             live = self._live(s.seq, entries)
             if live:
-                out.append(SealedSegment(self._segment_id(s.seq), s.path, s.size, live, s.sealed_at))
+                out.append(SealedSegment(st.segment_id(s.seq), s.path, s.size, live, s.sealed_at))
         return out
 
     def mark_flushed(self, segment_id: str) -> None:
@@ -104,11 +85,11 @@ class SegmentSourceMixin:
             os.fsync(fd)
         finally:
             os.close(fd)
-        fsync_dir(self.rank_dir)
-        with self._lock:
+        fsync_dir(self._state.rank_dir)
+        with self._state.lock:
             seg.flushed = True
             seg.sealed_entries = None
-        hook = self._residency_hook
+        hook = self._residency_hook()
         if hook is not None:
             if entries is None:
                 footer = read_footer_at(seg.path, seg.size)
@@ -118,7 +99,7 @@ class SegmentSourceMixin:
             hook.flushed(keys)
 
     def pin_segment(self, segment_id: str) -> bool:
-        with self._lock:
+        with self._state.lock:
             seg = self._seg_by_id(segment_id)
             if seg is None or seg.dead:
                 return False
@@ -126,7 +107,7 @@ class SegmentSourceMixin:
             return True
 
     def unpin_segment(self, segment_id: str) -> None:
-        with self._lock:
+        with self._state.lock:
             seg = self._seg_by_id(segment_id)
             if seg is not None and seg.pins > 0:
                 seg.pins -= 1

@@ -26,12 +26,16 @@ import errno
 import logging
 import os
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .._fileio import fsync_dir
 from .quarantine import open_regular, read_regular
 from .segment import TOMBSTONE, TOMBSTONE_FILE, append_tombstones, pack_tombstone, parse_tombstones, segment_name
+
+if TYPE_CHECKING:
+    from .state import SegmentLogState
 
 log = logging.getLogger(__name__)
 
@@ -92,76 +96,96 @@ def remove_stale_tmp(rank_dir: Path) -> None:
         log.warning("SSD tier: cannot remove a stale %s: %s", TOMBSTONE_TMP, e)
 
 
-class TombstoneLogMixin:
-    """Appends to the tombstone log and compacts it (``SSDTier``; writer thread only)."""
+class TombstoneLog:
+    """Appends to the tombstone log and compacts it (module docstring).
 
-    rank_dir: Path
-    _segments: Mapping[int, object]  # the tier's segment table; only membership is asked here
-    _fsync: bool
-    _tomb_fd: int | None
-    _tomb_dirty: bool
+    Built by ``SSDTier`` with the shared ``SegmentLogState`` (rank directory, ``fsync``, and the
+    segment table, asked for membership only). Threads: the writer thread only (``append``
+    trims a torn tail, compaction replaces the file: one appender), opening and closing included.
+    """
 
-    def _init_tombstone_log(self) -> None:
-        self._tomb_fd = None
-        self._tomb_bytes = 0  # the log's size as appended (whole entries)
+    def __init__(self, state: SegmentLogState) -> None:
+        self._state = state
+        self._rank_dir = state.rank_dir
+        self._fd: int | None = None
+        self._dirty = False  # tombstones written but not yet fdatasynced (fsync=False)
+        self._bytes = 0  # the log's size as appended (whole entries)
         #: seq -> entries naming it in the log (what compaction would keep while it exists)
-        self._tomb_per_seq: Counter[int] = Counter()
-        self._tomb_check_at = COMPACT_MIN_BYTES  # log size at which to consider compacting
+        self._per_seq: Counter[int] = Counter()
+        self._check_at = COMPACT_MIN_BYTES  # log size at which to consider compacting
 
-    def _note_live_tombstones(self, dead: Iterable[tuple[int, int]]) -> None:
+    def note_recovered(self, dead: Iterable[tuple[int, int]]) -> None:
         """Recovery's dead locations (``load_tombstones``): the entries of the log it compacted."""
-        self._tomb_per_seq = Counter(s for s, _ in dead)
+        self._per_seq = Counter(s for s, _ in dead)
 
-    def _open_tombstones(self) -> None:
+    def open(self) -> None:
         """Open the log for appends, after recovery."""
-        path = self.rank_dir / TOMBSTONE_FILE
+        path = self._rank_dir / TOMBSTONE_FILE
         try:
-            self._tomb_fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-            size = os.fstat(self._tomb_fd).st_size
+            self._fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            size = os.fstat(self._fd).st_size
         except OSError as e:  # serve and write anyway; deletes then last until the next restart only
             log.error("SSD tier: cannot open %s (%s): deletes and overwrites are not recorded durably", path, e)
             return
-        self._tomb_bytes = size - size % TOMBSTONE.size
-        self._plan_compaction(sum(self._tomb_per_seq.values()))
+        self._bytes = size - size % TOMBSTONE.size
+        self._plan_compaction(sum(self._per_seq.values()))
 
-    def _append_tombstones(self, locs: list[Entry]) -> bool:
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def append(self, locs: list[Entry]) -> bool:
         """Append tombstones for ``locs``; whether they were written (synced when ``fsync``).
-        Writer thread only (``append_tombstones`` trims the log, compaction replaces it: one
-        appender). Then compacts the log if this append took it past its bound."""
-        if self._tomb_fd is None:
+        Then compacts the log if this append took it past its bound."""
+        if self._fd is None:
             return False
         try:
-            append_tombstones(self._tomb_fd, b"".join(pack_tombstone(s, o, k) for s, o, k in locs))
-            if self._fsync:
-                os.fdatasync(self._tomb_fd)
+            append_tombstones(self._fd, b"".join(pack_tombstone(s, o, k) for s, o, k in locs))
+            if self._state.fsync:
+                os.fdatasync(self._fd)
             else:
-                self._tomb_dirty = True
+                self._dirty = True
         except OSError as e:  # the key is gone from memory; after a restart it may come back (still valid)
             log.error("SSD tier: cannot record %d tombstones: %s", len(locs), e)
             return False
-        self._tomb_bytes += len(locs) * TOMBSTONE.size
-        self._tomb_per_seq.update(s for s, _, _ in locs)
-        if self._tomb_bytes >= self._tomb_check_at:
-            self._compact_tombstones()
+        self._bytes += len(locs) * TOMBSTONE.size
+        self._per_seq.update(s for s, _, _ in locs)
+        if self._bytes >= self._check_at:
+            self._compact()
+        return True
+
+    def make_durable(self) -> bool:
+        """fdatasync the log if appends left it unsynced (``fsync=False``); whether every
+        tombstone written is durable now. A punched record must never be found live after a crash."""
+        if not self._dirty:
+            return True
+        try:
+            assert self._fd is not None
+            os.fdatasync(self._fd)
+        except OSError as e:
+            log.error("SSD tier: cannot sync the tombstone log (%s); deleted records keep their bytes", e)
+            return False
+        self._dirty = False
         return True
 
     def _segment_exists(self, seq: int) -> bool:
         """Whether segment ``seq`` is served or its file is still there (it could come back)."""
-        return seq in self._segments or os.path.lexists(self.rank_dir / segment_name(seq))
+        return seq in self._state.segments or os.path.lexists(self._rank_dir / segment_name(seq))
 
     def _plan_compaction(self, live_entries: int) -> None:
-        self._tomb_check_at = max(COMPACT_MIN_BYTES, COMPACT_RATIO * live_entries * TOMBSTONE.size) + TOMBSTONE.size
+        self._check_at = max(COMPACT_MIN_BYTES, COMPACT_RATIO * live_entries * TOMBSTONE.size) + TOMBSTONE.size
 
-    def _compact_tombstones(self) -> bool:
+    def _compact(self) -> bool:
         """Rewrite the log without the entries of segments that are gone, if they dominate it.
         Returns whether it rewrote the log. Never raises: the old log stays valid."""
-        assert self._tomb_fd is not None
-        exists = {s: self._segment_exists(s) for s in self._tomb_per_seq}
-        live = sum(c for s, c in self._tomb_per_seq.items() if exists[s])
-        if self._tomb_bytes <= max(COMPACT_MIN_BYTES, COMPACT_RATIO * live * TOMBSTONE.size):
+        assert self._fd is not None
+        exists = {s: self._segment_exists(s) for s in self._per_seq}
+        live = sum(c for s, c in self._per_seq.items() if exists[s])
+        if self._bytes <= max(COMPACT_MIN_BYTES, COMPACT_RATIO * live * TOMBSTONE.size):
             self._plan_compaction(live)
             return False
-        before = self._tomb_bytes
+        before = self._bytes
 
         def keep(seq: int) -> bool:  # the log may name seqs appended before this process started
             if seq not in exists:
@@ -169,20 +193,20 @@ class TombstoneLogMixin:
             return exists[seq]
 
         try:
-            fsync_dir(self.rank_dir)  # the unlinks of gone segments are durable before their tombstones go
-            kept = kept_entries(read_regular(self.rank_dir / TOMBSTONE_FILE), keep)
-            fd = write_log(self.rank_dir, kept)
+            fsync_dir(self._rank_dir)  # the unlinks of gone segments are durable before their tombstones go
+            kept = kept_entries(read_regular(self._rank_dir / TOMBSTONE_FILE), keep)
+            fd = write_log(self._rank_dir, kept)
         except OSError as e:
             log.warning("SSD tier: cannot compact the tombstone log (%s); it stays as it is", e)
-            self._tomb_check_at = 2 * self._tomb_bytes  # not again at every append
+            self._check_at = 2 * self._bytes  # not again at every append
             return False
-        old, self._tomb_fd = self._tomb_fd, fd
+        old, self._fd = self._fd, fd
         with contextlib.suppress(OSError):  # the replaced file: nothing is appended to it any more
             os.close(old)
-        self._tomb_dirty = False  # everything kept was fsynced with the new file
-        self._tomb_bytes = len(kept) * TOMBSTONE.size
-        self._tomb_per_seq = Counter(s for s, _, _ in kept)
+        self._dirty = False  # everything kept was fsynced with the new file
+        self._bytes = len(kept) * TOMBSTONE.size
+        self._per_seq = Counter(s for s, _, _ in kept)
         self._plan_compaction(len(kept))
-        log.info("SSD tier %s: compacted the tombstone log from %d to %d entries", self.rank_dir,
+        log.info("SSD tier %s: compacted the tombstone log from %d to %d entries", self._rank_dir,
                  before // TOMBSTONE.size, len(kept))
         return True
