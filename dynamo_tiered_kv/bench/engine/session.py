@@ -14,7 +14,9 @@
   - ``replay``: ``prompts`` are measured one by one, the engine's prefix cache emptied before each
     (other agents evicted it), so every context comes back from the connector or is recomputed.
 
-Progress goes to stdout as ``@@dtkv {"done": n}`` lines (the parent draws the bar).
+Progress goes to stdout as ``@@dtkv {"done": n}`` lines (``progress``; the parent draws the bar).
+Every session module (this one, ``restore.engine``, ``interference.engine``) starts with ``start``
+and ends with ``finish``: the same result file, the same exit.
 
 Timing definitions (all wall clock, ``perf_counter``):
 * ``ttft_ms``: ``generate(max_tokens=1)`` of the prompt, as the engine user sees it;
@@ -35,15 +37,19 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+#: what starts a progress line on a session's stdout; the rest is ``{"done": n}`` (``launch.run_session``)
+PROGRESS_PREFIX = "@@dtkv "
 
 _HOOKS = {"save_kv_layer": "save", "wait_for_save": "save", "start_load_kv": "load",
           "wait_for_layer_load": "load", "get_num_new_matched_tokens": "lookup"}
 _timers = {"save": 0.0, "load": 0.0, "lookup": 0.0}
 
 
-def _progress(done: int) -> None:
-    print("@@dtkv " + json.dumps({"done": done}), flush=True)
+def progress(done: int) -> None:
+    """Tell the parent that ``done`` steps of this session are done (its progress bar)."""
+    print(PROGRESS_PREFIX + json.dumps({"done": done}), flush=True)
 
 
 def _instrument(cls: type) -> None:
@@ -192,7 +198,7 @@ def _live(s: Session, spec: dict[str, Any]) -> dict[str, Any]:
             turns.append(rec)
             prompts.append({"agent": a, "turn": turn + 1, "prompt": prompt})
             done += 1
-            _progress(done)
+            progress(done)
     wall = time.perf_counter() - t_start
     if s.store is not None:  # seal + write back to objects now, so no flush runs under the replay
         s.store.persist(300)
@@ -206,28 +212,42 @@ def _replay(s: Session, spec: dict[str, Any], start: int = 0) -> list[dict[str, 
         rec = s.measure(p["prompt"], reset=True)
         rec.update(agent=p.get("agent", 0), turn=p.get("turn", i + 1))
         out.append(rec)
-        _progress(start + i + 1)
+        progress(start + i + 1)
     return out
 
 
-def main(spec_path: str, out_path: str) -> None:
+def start(spec_path: str) -> tuple[dict[str, Any], Session, dict[str, Any]]:
+    """A session module's start: its spec (``SPEC.json``), the engine session built from it, and
+    the result to fill, which begins with the engine's start time (``engine_start_s``)."""
     spec = json.loads(Path(spec_path).read_text())
     t = time.perf_counter()
     s = Session(spec)
-    result: dict[str, Any] = {"engine_start_s": time.perf_counter() - t}
+    return spec, s, {"engine_start_s": time.perf_counter() - t}
+
+
+def finish(s: Session, spec: dict[str, Any], res: dict[str, Any], out_path: str) -> NoReturn:
+    """A session module's end: persist if ``spec["persist"]`` (seal the SSD segment, write it back
+    to objects), close (timed: ``close_s``), write ``res`` to ``out_path`` and exit the process."""
+    if spec.get("persist") and s.store is not None:
+        s.store.persist(300)
+    t = time.perf_counter()
+    s.close()
+    res["close_s"] = time.perf_counter() - t
+    Path(out_path).write_text(json.dumps(res))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # state is persisted; skip the in-process engine's slow interpreter-exit teardown
+
+
+def main(spec_path: str, out_path: str) -> None:
+    spec, s, result = start(spec_path)
     if spec["mode"] == "live":
         result["live"] = _live(s, spec)
         spec["prompts"] = result["live"]["prompts"]
         result["replay"] = _replay(s, spec, start=len(result["live"]["turns"]))
     else:
         result["replay"] = _replay(s, spec)
-    t = time.perf_counter()
-    s.close()
-    result["close_s"] = time.perf_counter() - t
-    Path(out_path).write_text(json.dumps(result))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # state is persisted; skip the in-process engine's slow interpreter-exit teardown
+    finish(s, spec, result, out_path)
 
 
 if __name__ == "__main__":

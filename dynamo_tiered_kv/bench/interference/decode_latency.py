@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..engine.launch import engine_base, load_async_extra, model_desc, object_tier, require_vllm, run_plan
 from ..report import percentile
-from ..restore.marginal import engine_base, load_async_extra, object_tier, require_vllm, run_plan
 from . import step_trace
 
 MODULE = "dynamo_tiered_kv.bench.interference.engine"
@@ -159,7 +159,6 @@ def _plan(args: argparse.Namespace, work: Path, longs: list[list[int]], obj: dic
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     require_vllm("interference")
-    from ..engine.launch import model_desc
     from ..engine.tiny_model import QWEN2_BENCH_SPEC, synthetic_tokens
 
     # not at module level: the package would import the engine module before ``python -m`` runs it

@@ -24,14 +24,11 @@ loop; a stream's token times are the wall times of the steps that produced them.
 from __future__ import annotations
 
 import itertools
-import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from ..engine.session import Session, _progress
-from ..restore.engine import finish
+from ..engine.session import Session, finish, progress, start
 from .step_trace import StepTrace
 
 #: a stream generates at most this many times ``decode_tokens`` (the engine's KV is sized for it)
@@ -101,16 +98,14 @@ def run_phase(s: Session, spec: dict[str, Any], tag: str, restores: list[list[in
 
 
 def main(spec_path: str, out_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    t = time.perf_counter()
-    s = Session(spec)
-    res: dict[str, Any] = {"engine_start_s": time.perf_counter() - t, "rounds": []}
+    spec, s, res = start(spec_path)
+    res["rounds"] = []
     trace = StepTrace() if spec.get("trace_steps") else None
     done = 0
     for p in spec.get("store", []):
         s.measure(p, reset=True)
         done += 1
-        _progress(done)
+        progress(done)
     if s.store is not None:
         s.store.drain(120)
     names = ["baseline", "restore", *(["resident"] if spec.get("resident") else [])]
@@ -121,7 +116,7 @@ def main(spec_path: str, out_path: str) -> None:
             rnd[ph] = run_phase(s, spec, f"r{r}-{ph}", spec["restores"] if ph != "baseline" else [],
                                 resident=ph == "resident", trace=trace)
             done += 1
-            _progress(done)
+            progress(done)
         res["rounds"].append(rnd)
     if trace is not None:
         res["step_trace"] = trace.steps

