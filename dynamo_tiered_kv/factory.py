@@ -20,6 +20,7 @@ from .blocks.layout import BlockShape
 from .config import TieredKVConfig
 from .errors import ConfigError
 from .log_setup import ensure_visible
+from .policy.quotas import TenantQuotas
 from .staging.device_slabs import DeviceStagingPool
 from .staging.slabs import StagingPool
 from .store import TieredStore
@@ -103,6 +104,23 @@ def worker_rank(*, tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 
     return (dp_rank * pp_size + pp_rank) * tp_size + tp_rank
 
 
+def tenant_quotas(config: TieredKVConfig, tier: str, capacity_bytes: int) -> TenantQuotas | None:
+    """The per-tenant limits of one tier (``tenant_default_share``, ``tenant_quotas``); None when
+    no tenant is limited below the capacity."""
+    from .blocks.tenant import parse_tenant
+    from .config.sizes import parse_size
+
+    salt = config.tenant_salt.get_secret_value()
+    limits: dict[bytes, int] = {}
+    for name, per_tier in config.tenant_quotas.items():
+        v = per_tier.get(tier)  # type: ignore[call-overload]
+        if v is not None:
+            limits[parse_tenant(name, deployment_salt=salt)] = (
+                int(v * capacity_bytes) if isinstance(v, float) else parse_size(v))
+    q = TenantQuotas(capacity_bytes, default_share=config.tenant_default_share, limits=limits)
+    return q if q.enforced else None
+
+
 def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | None = None) -> TieredStore:
     """Construct tiers, staging, flusher and metrics from ``config`` (does I/O: opens tiers).
 
@@ -119,7 +137,8 @@ def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | Non
     if config.host_capacity_bytes:
         from .tiers.host import HostTier
 
-        tiers.append(HostTier(config.host_capacity_bytes))
+        tiers.append(HostTier(config.host_capacity_bytes,
+                              quotas=tenant_quotas(config, "host", config.host_capacity_bytes)))
         ttls.append(config.host_ttl_s)
     ssd = None
     gpu_direct = _gpu_direct(config) if config.ssd_dir is not None else None

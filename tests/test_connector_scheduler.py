@@ -192,7 +192,7 @@ class _FailingStore:
         ok = [b for b in ids if b not in self.bad]
         return LoadResult(ok, [b for b in ids if b in self.bad], ["ssd"] * len(ok))
 
-    def submit_offload(self, layout, ids, keys, parents, first_index=0):
+    def submit_offload(self, layout, ids, keys, parents, first_index=0, tenant=bytes(8)):
         self.offloads.append(list(ids))
         return True
 

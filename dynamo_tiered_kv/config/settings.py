@@ -34,6 +34,7 @@ _yaml_file: ContextVar[Path | None] = ContextVar("_yaml_file", default=None)
 _given_as: ContextVar[str | Mapping[str, str]] = ContextVar("_given_as", default="keyword arguments")
 GiB = 1 << 30
 MiB = 1 << 20
+MAX_TENANT_QUOTAS = 10_000  # tenants named in tenant_quotas (a settings file, not a database)
 
 
 class TieredKVConfig(BaseSettings):
@@ -44,6 +45,16 @@ class TieredKVConfig(BaseSettings):
     # --- identity ------------------------------------------------------------------------
     tenant_salt: SecretStr = Field(SecretStr(""), description="mixed into every key; tenants never share KV")
     model_id: str | None = Field(None, description="override the engine's model name in the namespace")
+
+    # --- tenants (a request's cache_salt names its tenant; docs/TENANTS.md) ---------------------
+    tenant_default_share: float = Field(
+        1.0, gt=0, le=1, allow_inf_nan=False, description="share of each tier's capacity a tenant may hold unless "
+        "tenant_quotas names it; past it the tenant evicts its own blocks; 1.0: no quota"
+    )
+    tenant_quotas: dict[str, dict[Literal["host", "ssd", "object"], int | float | str]] = Field(
+        default_factory=dict, max_length=MAX_TENANT_QUOTAS, description="per-tenant limits, {tenant: {tier: bytes, "
+        "'40GiB' or a share <= 1.0}}; a tenant is its name (cache_salt), 'id:<16 hex>' or 'default'"
+    )
 
     # --- G2 host tier -----------------------------------------------------------------------
     host_capacity_bytes: int = Field(2 * GiB, ge=0, description="host DRAM for hot blocks; 0 disables")
@@ -145,6 +156,21 @@ class TieredKVConfig(BaseSettings):
     def _parse_sizes(cls, v: Any, info: ValidationInfo) -> Any:
         if info.field_name and info.field_name.endswith("_bytes") and isinstance(v, str):
             return parse_size(v)
+        return v
+
+    @field_validator("tenant_quotas")
+    @classmethod
+    def _check_tenant_quotas(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        for tenant, limits in v.items():
+            if not tenant:
+                raise ValueError("tenant_quotas: an empty tenant name (write 'default' for the default tenant)")
+            for tier, limit in limits.items():
+                if isinstance(limit, float) and not 0.0 < limit <= 1.0:
+                    raise ValueError(f"tenant_quotas[{tenant!r}][{tier!r}]: a share must be in (0, 1], got {limit}")
+                if isinstance(limit, str):
+                    parse_size(limit)
+                elif isinstance(limit, int) and limit < 0:
+                    raise ValueError(f"tenant_quotas[{tenant!r}][{tier!r}]: bytes must be >= 0")
         return v
 
     @field_validator("object_url")

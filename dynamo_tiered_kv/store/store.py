@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING
 
 from ..blocks.keys import BlockKey, Namespace
 from ..blocks.layout import EngineLayout
+from ..blocks.tenant import DEFAULT_TENANT
 from ..policy.admission import Admission, AdmissionPolicy, Retention
 from ..policy.pacing import Pacer
 from ..policy.residency import ResidencyListener, install
@@ -303,10 +304,11 @@ class TieredStore:
 
     # --- offload (the writer) ----------------------------------------------------------------
     def submit_offload(self, layout: EngineLayout, block_ids: Sequence[int], keys: Sequence[BlockKey],
-                       parents: Sequence[BlockKey], *, first_index: int = 0) -> bool:
-        """Copy finished engine blocks into staging now; write them to the tiers in the background
-        (``OffloadWriter.submit_offload``). Never blocks; False if the batch was dropped."""
-        return self.writer.submit_offload(layout, block_ids, keys, parents, first_index=first_index)
+                       parents: Sequence[BlockKey], *, first_index: int = 0, tenant: bytes = DEFAULT_TENANT) -> bool:
+        """Copy finished engine blocks of ``tenant`` (``blocks.tenant``) into staging now; write them to
+        the tiers in the background (``OffloadWriter.submit_offload``). Never blocks; False if the batch
+        was dropped."""
+        return self.writer.submit_offload(layout, block_ids, keys, parents, first_index=first_index, tenant=tenant)
 
     def set_residency(self, listener: ResidencyListener | None) -> None:
         """Report to ``listener`` which blocks each tier stores and drops from now on (None: stop)."""

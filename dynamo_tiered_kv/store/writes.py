@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from ..blocks.codec import record_bytes
 from ..blocks.keys import BlockKey
 from ..blocks.layout import EngineLayout
+from ..blocks.tenant import DEFAULT_TENANT
 from ..errors import PartialWrite, TierFull, TierUnavailable
 from ..policy.admission import Admission
 from ..staging.device_slabs import DeviceSlab, DeviceSpan, DeviceStagingPool
@@ -63,11 +64,13 @@ class OffloadWriter:
 
     # --- offload ---------------------------------------------------------------------------
     def submit_offload(self, layout: EngineLayout, block_ids: Sequence[int], keys: Sequence[BlockKey],
-                       parents: Sequence[BlockKey], *, first_index: int = 0) -> bool:
+                       parents: Sequence[BlockKey], *, first_index: int = 0, tenant: bytes = DEFAULT_TENANT) -> bool:
         """Copy finished engine blocks into staging now; write them to the tiers in the background.
 
         Args:
             first_index: position of ``block_ids[0]`` in its sequence (for ``min_prefix_blocks``).
+            tenant: the blocks' tenant (``blocks.tenant``), written into every record: tiers
+                account and evict by it (quotas).
 
         Returns:
             True if the blocks were accepted (or every target tier already has them); False if
@@ -115,9 +118,9 @@ class OffloadWriter:
                 if isinstance(slab, DeviceSlab):
                     from ..blocks.device_codec import encode_blocks_on_device
 
-                    encode_blocks_on_device(*args, slab.tensor)
+                    encode_blocks_on_device(*args, slab.tensor, tenant=tenant)
                 else:  # a CUDA engine's copy is only queued here: checksums are the writer's (seal)
-                    seal = begin_encode(*args, slab.array)
+                    seal = begin_encode(*args, slab.array, tenant=tenant)
             except Exception:
                 self.release(slab)
                 self._state.finish_pending()

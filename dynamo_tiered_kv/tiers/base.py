@@ -248,10 +248,21 @@ class Tier(abc.ABC):
 
     def configure_retention(self, *, max_share: float, clock: Callable[[], float]) -> RetentionClasses:
         """Build the tier's retention table (``max_share`` of its capacity may be protected, expiries
-        measured on ``clock``) and return it. Called by the store once, before the tier is used."""
+        measured on ``clock``; per tenant, ``max_share`` of ``tenant_limit``) and return it. Called by the
+        store once, before the tier is used."""
         self._retention = RetentionClasses(self.usage().capacity_bytes, max_share=max_share, clock=clock,
-                                           tier=self.name)
+                                           tier=self.name, tenant_limit=self.tenant_limit)
         return self._retention
+
+    def tenant_limit(self, tenant: str) -> int:
+        """The bytes ``tenant`` (a hex tenant id, as hint holders name it) may hold here: its quota on
+        a tier with quotas (``policy.quotas``), the capacity otherwise."""
+        return self.usage().capacity_bytes
+
+    def tenant_usage(self) -> dict[bytes, tuple[int, int]] | None:
+        """Bytes and blocks each tenant holds here (a copy); None: this tier does not account by
+        tenant."""
+        return None
 
     def set_residency_hook(self, hook: ResidencyHook | None) -> None:
         """The listener told of blocks the tier drops on its own (capacity eviction, expiry)."""

@@ -100,6 +100,18 @@ class HostTier(Tier):
         with self._lock:  # bytes and count from the same moment
             return TierUsage(self._capacity, self._used, len(self._index))
 
+    def tenant_limit(self, tenant: str) -> int:
+        if self._quotas is None:
+            return self._capacity
+        try:
+            return self._quotas.limit(bytes.fromhex(tenant))
+        except ValueError:  # a holder that names no tenant id: the default share
+            return self._quotas.limit(b"")
+
+    def tenant_usage(self) -> dict[bytes, tuple[int, int]]:
+        with self._lock:
+            return self.ledger.snapshot()
+
     # --- I/O (memory copies; cheap enough to run inline on the loop) --------------------------
     async def read_into(self, key: BlockKey, into: memoryview, byte_range: ByteRange | None = None) -> int | None:
         return self.read_sync(key, into, byte_range)

@@ -33,6 +33,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from ...blocks.keys import ROOT_KEY, BlockKey, Namespace
 from ...blocks.layout import EngineLayout
+from ...blocks.tenant import tenant_id
 from ...config import TieredKVConfig
 from ...factory import build_store, check_record_fits
 from ...store import TieredStore
@@ -61,6 +62,8 @@ class TieredHiCacheStorage(HiCacheStorage):
             log.warning("dynamo_tiered_kv: no ServerArgs published in this process; the model identity is the "
                         "model name alone (quantization, revision and overrides are not told apart)")
         self.model_id = model_identity(storage_config.model_name, self.config.model_id or "", self.server_args)
+        # SGLang hands the storage backend no request salt: the deployment is one tenant
+        self.tenant = tenant_id(None, deployment_salt=self.config.tenant_salt.get_secret_value())
         self.store: TieredStore | None = None
         self.layout: EngineLayout | None = None
         self.namespace: Namespace | None = None
@@ -163,7 +166,8 @@ class TieredHiCacheStorage(HiCacheStorage):
             try:
                 chain = self.keys_of(prefix[-1:] + keys, epoch)
                 parents = [*chain[:-1]] if prefix else [ROOT_KEY, *chain[:-1]]
-                ok = store.submit_offload(layout, pages, chain[-len(keys):], parents, first_index=len(prefix))
+                ok = store.submit_offload(layout, pages, chain[-len(keys):], parents, first_index=len(prefix),
+                                          tenant=self.tenant)
             except Exception:
                 log.exception("offload of %d pages failed; they stay unsaved", len(keys))
                 ok = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ...blocks.tenant import DEFAULT_TENANT
 from ...hints.stats import HintCounts
 
 try:  # the base classes live in vLLM; keep this module importable without it (unit tests)
@@ -51,6 +52,7 @@ class SaveSpec:
     token_ids: list[int] | None = None  # the blocks' tokens, only when KV events are enabled
     lora_id: int | None = None  # the request's LoRA adapter, named in its KV events
     lora_name: str | None = None
+    tenant: bytes = DEFAULT_TENANT  # the request's tenant (``blocks.tenant``), written into its records
 
 
 @dataclass

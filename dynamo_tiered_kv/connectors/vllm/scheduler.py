@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...blocks.keys import ROOT_KEY, Namespace, block_key, scope_salt
+from ...blocks.tenant import DEFAULT_TENANT as NO_TENANT
+from ...blocks.tenant import tenant_hex, tenant_id
 from ...config import TieredKVConfig
 from ...hints import HintStats, RequestHints, read_hints
 from ...hints.limits import MAX_REQUEST_BLOCKS
@@ -66,6 +68,7 @@ def token_namespace(model_id: str, block_size: int, tenant_salt: str) -> Namespa
 class _Req:
     request: Any  # vllm.v1.request.Request (live object: its token list grows)
     ns: Namespace | None  # None: not cacheable (multimodal, prompt embeddings)
+    tenant: bytes = NO_TENANT  # its tenant (``blocks.tenant``: a keyed digest of its cache_salt)
     hashes: list[bytes] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_local: int = 0  # tokens the engine's own prefix cache had
@@ -88,8 +91,8 @@ class _Req:
 
     @property
     def holder(self) -> Holder:
-        """Who holds this request's retention: its namespace (tenant salt, cache salt, LoRA) and scope."""
-        tenant = self.ns.hex()[:16] if self.ns is not None else DEFAULT_TENANT
+        """Who holds this request's retention: its tenant (hex) and ``kv.retain`` scope."""
+        tenant = tenant_hex(self.tenant) if self.ns is not None else DEFAULT_TENANT
         return holder(tenant, self.hints.retain if self.hints is not None else None)
 
     def hashes_upto(self, n: int) -> list[bytes]:
@@ -141,7 +144,8 @@ class SchedulerRole:
     def _state(self, request: Any) -> _Req:
         st = self._reqs.get(request.request_id)
         if st is None:
-            st = _Req(request, self._namespace_for(request))
+            st = _Req(request, self._namespace_for(request),
+                      tenant_id(getattr(request, "cache_salt", None), deployment_salt=self._salt))
             if st.ns is not None:
                 st.hints = read_hints(request, stats=self.hint_stats)  # never raises
                 st.final = session_final(getattr(request, "kv_transfer_params", None))
@@ -282,7 +286,7 @@ class SchedulerRole:
                 continue
             start = st.saved
             hashes = st.hashes_upto(full)
-            spec = SaveSpec(req_id, st.block_ids[start:full], hashes[max(0, start - 1):full], start)
+            spec = SaveSpec(req_id, st.block_ids[start:full], hashes[max(0, start - 1):full], start, tenant=st.tenant)
             if self.kv_events:
                 spec.token_ids = list(st.request.all_token_ids[start * bs:full * bs])
                 lora = getattr(st.request, "lora_request", None)

@@ -247,7 +247,7 @@ class WorkerRole:
             if ids and spec.token_ids is not None:
                 self._track_for_events(spec, ks)  # before the submit: a write may finish before it returns
             if ids:
-                self.store.submit_offload(self.layout, ids, ks, ps, first_index=spec.first_index)
+                self.store.submit_offload(self.layout, ids, ks, ps, first_index=spec.first_index, tenant=spec.tenant)
         self.save_seconds += time.perf_counter() - t0
 
     def _track_for_events(self, spec: Any, keys: list[bytes]) -> None:

@@ -54,6 +54,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...blocks.codec import record_bytes
 from ...blocks.keys import ROOT_KEY, BlockKey
+from ...blocks.tenant import tenant_id
 from ...factory import build_store, check_record_fits, worker_rank
 from .config import split_settings
 from .events import TierEvents
@@ -112,6 +113,9 @@ class DynamoTieredKVTier(SecondaryTierManager):
         self._record_bytes = record_bytes(self.layout.shape)
         spec_config = getattr(offloading_spec, "config", None)
         salt = self.config.tenant_salt.get_secret_value()
+        # vLLM hands a secondary tier no request (its cache_salt is inside vLLM's block hashes): the
+        # deployment is one tenant for quotas and listings; its salt still keys every block
+        self.tenant = tenant_id(None, deployment_salt=salt)
         if spec_config is not None:  # the engine's model identity, or a namespace of this tier's own
             model_id = engine_model_id(offloading_spec, self.config.model_id or "")
             self.namespace = namespace_for(spec_config, self.block_size_bytes, model_id=model_id, tenant_salt=salt)
@@ -247,8 +251,8 @@ class DynamoTieredKVTier(SecondaryTierManager):
             # one slab's worth is accepted or dropped whole; short of a free slab or queue room it
             # waits (the primary keeps the chunks pinned for us) and is offered once there is room,
             # so a wait does not count as another sighting for admission
-            while not (self._has_room() and self.store.submit_offload(self.layout, part, keys,
-                                                                      [ROOT_KEY] * len(keys))):
+            while not (self._has_room() and self.store.submit_offload(self.layout, part, keys, [ROOT_KEY] * len(keys),
+                                                                      tenant=self.tenant)):
                 if self.store.closed or time.monotonic() >= give_up:
                     with self._lock:
                         for k in bks[i:]:
