@@ -10,7 +10,8 @@ TieredKVError
 │   ├── ChecksumMismatch               payload (a layer) checksum mismatch
 │   ├── NamespaceMismatch              another model/layout/tenant wrote it
 │   ├── KeyMismatch                    the index pointed at another block
-│   └── LayoutMismatch                 the record's shape does not fit the engine's layout
+│   ├── LayoutMismatch                 the record's shape does not fit the engine's layout
+│   └── RecordSealed                   encrypted for its tenant and read without the key: a miss, keep it
 ├── TierUnavailable                    a tier is down or disabled: fail open, treat as a miss
 │   └── PartialWrite                   a batch stopped partway: its first ``written`` items are stored
 ├── TierFull                           capacity bound would be exceeded and nothing is evictable
@@ -83,3 +84,9 @@ class PartialWrite(TierUnavailable):
     def __init__(self, message: str, *, written: int) -> None:
         super().__init__(message)
         self.written = written
+
+
+class RecordSealed(RecordError):
+    """A sealed (encrypted) record reached a reader that does not open it (encryption off here, or
+    its tenant's key unavailable). A miss like any record error, but the record is intact: never
+    delete or quarantine it for this."""

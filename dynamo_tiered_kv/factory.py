@@ -8,7 +8,7 @@ configured. The store itself writes host and SSD; the object tier is fed by the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -27,6 +27,7 @@ from .store import TieredStore
 from .tiers.base import Tier
 
 if TYPE_CHECKING:
+    from .tenants.kek import KeySource
     from .tiers.ssd.gds import DeviceIO
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,39 @@ def tenant_quotas(config: TieredKVConfig, tier: str, capacity_bytes: int) -> Ten
     return q if q.enforced else None
 
 
+def key_source(config: TieredKVConfig) -> KeySource:
+    """The key-encryption keys ``encryption_keys`` names (``file://``, ``env:``, ``dir://``)."""
+    from .tenants.kek import DEFAULT_ENV, KeySource
+
+    where = config.encryption_keys or f"env:{DEFAULT_ENV}"
+    if where.startswith("file://"):
+        return KeySource.from_file(where[len("file://"):])
+    if where.startswith("dir://"):
+        return KeySource.from_dir(where[len("dir://"):])
+    if where.startswith("env:"):
+        return KeySource.from_env(where[len("env:"):])
+    raise ConfigError(f"encryption_keys must start with file://, dir:// or env:, got {where.split(':')[0]!r}")
+
+
+def _sealing(config: TieredKVConfig, key_objects: object) -> Callable[[Tier], Tier]:
+    """How a tier is wrapped so its records are sealed at rest (``tenants.sealed_tier``); the
+    identity when encryption is off."""
+    if config.encryption != "on":
+        return lambda tier: tier
+    import asyncio
+
+    from .tenants.cipher import RecordCipher
+    from .tenants.keystore import TenantKeyStore
+    from .tenants.sealed_tier import SealedTier
+
+    keys = TenantKeyStore(key_objects, key_source(config), key_cache_s=config.encryption_key_cache_s)  # type: ignore[arg-type]
+
+    def cipher() -> RecordCipher:  # built in the tier's open(), on the store's loop
+        return RecordCipher(keys.lookup(asyncio.get_running_loop()))
+
+    return lambda tier: SealedTier(tier, cipher)
+
+
 def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | None = None) -> TieredStore:
     """Construct tiers, staging, flusher and metrics from ``config`` (does I/O: opens tiers).
 
@@ -161,6 +195,8 @@ def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | Non
         ttls.append(config.ssd_ttl_s)
     background = []
     flusher = None
+    key_bucket = None  # the bucket's root (tenant keys span namespaces)
+    obj_backend = None
     if config.object_url:
         from .tiers.objectstore import ObjectTier, backend_from_url
         from .tiers.objectstore.flush import Flusher
@@ -173,6 +209,8 @@ def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | Non
             secret_key=config.s3_secret_key.get_secret_value() if config.s3_secret_key else None,
             **(_s3_tuning(config) if config.object_url.startswith("s3://") else {}),
         )
+        obj_backend = backend
+        key_bucket = backend
         obj = ObjectTier(
             backend,
             capacity_bytes=config.object_capacity_bytes,
@@ -190,6 +228,17 @@ def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | Non
             background.append(_FlusherTask(flusher))
     if not tiers:
         raise ValueError("no tier configured: set host_capacity_bytes, ssd_dir or object_url")
+    if config.encryption == "on" and (key_bucket is not None or config.ssd_dir is not None):
+        if key_bucket is None:  # SSD only: tenant keys live beside the segments, erased with them
+            from pathlib import Path
+
+            from .tiers.objectstore.localdir import LocalDirBackend
+
+            key_objects: object = LocalDirBackend(Path(config.ssd_dir or ".") / "tenant-keys")
+        else:  # in the bucket, so every node reads (and an erase destroys) the same keys
+            key_objects = key_bucket
+        seal = _sealing(config, key_objects)
+        tiers = [t if t.capabilities.medium == "host" else seal(t) for t in tiers]
     staging = StagingPool(config.staging_slab_bytes, config.staging_slabs)
     store = TieredStore(
         tiers,

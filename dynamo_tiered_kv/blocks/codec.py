@@ -28,17 +28,20 @@ from ..errors import (
     LayoutMismatch,
     NamespaceMismatch,
     RecordError,
+    RecordSealed,
     RecordTruncated,
     UnsupportedVersion,
 )
-from .tenant import DEFAULT_TENANT, TENANT_BYTES
 from .keys import KEY_BYTES
 from .layout import BlockShape, CanonicalFormat, DType, EngineLayout, EngineLayoutKind
+from .tenant import DEFAULT_TENANT, TENANT_BYTES
 
 MAGIC = b"DTKVBLK\x00"
 FORMAT_VERSION = 1
 ALIGN = 4096
 CHECKSUM_XXH3_64 = 1
+#: ``flags`` bit: the payload is encrypted for the record's tenant (``blocks.sealed``)
+FLAG_SEALED = 0x0001
 
 # magic, version, flags, header_bytes, namespace, key, parent, canonical, dtype, engine_kind,
 # checksum_algo, num_layers, block_size, kv_heads, head_size, num_tokens, layer_bytes,
@@ -75,6 +78,7 @@ class RecordHeader(NamedTuple):  # a NamedTuple: built on every read, so constru
     record_bytes: int
     layer_sums: tuple[int, ...]
     tenant: bytes = DEFAULT_TENANT
+    sealed: bool = False  # the payload is encrypted (``blocks.sealed``): open it before verifying layers
 
     @property
     def payload_offset(self) -> int:
@@ -124,8 +128,8 @@ def _descriptor(shape: BlockShape, engine_kind: EngineLayoutKind) -> tuple[bytes
 
 
 def _write_header(
-    out: np.ndarray, shape: BlockShape, engine_kind: EngineLayoutKind, namespace: bytes, key: bytes, parent: bytes, sums,
-    tenant: bytes = DEFAULT_TENANT,
+    out: np.ndarray, shape: BlockShape, engine_kind: EngineLayoutKind, namespace: bytes, key: bytes, parent: bytes,
+    sums, tenant: bytes = DEFAULT_TENANT,
 ) -> None:
     if len(namespace) != KEY_BYTES or len(key) != KEY_BYTES or len(parent) != KEY_BYTES:
         raise ValueError("namespace digest, key and parent must each be 16 bytes")
@@ -271,7 +275,7 @@ def decode_header(buf) -> RecordHeader:
     a = _as_u8(buf)
     if a.nbytes < _TABLE_OFF:
         raise RecordTruncated(f"{a.nbytes} bytes is shorter than a record header")
-    magic, version, _flags, hb = _PREFIX.unpack_from(a, 0)
+    magic, version, flags, hb = _PREFIX.unpack_from(a, 0)
     if magic != MAGIC:
         raise BadMagic(f"bad magic {magic!r}")
     if version != FORMAT_VERSION:
@@ -290,7 +294,7 @@ def decode_header(buf) -> RecordHeader:
     table = a[_TABLE_OFF : _TABLE_OFF + 8 * nl].view("<u8")
     ns, key, parent = bytes(mv[16:32]), bytes(mv[32:48]), bytes(mv[48:64])
     return RecordHeader(ns, key, parent, shape, kind, shape.block_size, hb, record_bytes(shape), tuple(table.tolist()),
-                        bytes(mv[112:_FIXED_BYTES]))
+                        bytes(mv[112:_FIXED_BYTES]), bool(flags & FLAG_SEALED))
 
 
 @functools.lru_cache(maxsize=256)
@@ -319,11 +323,15 @@ def verify_record(
 ) -> RecordHeader:
     """Verify a whole record (or only layers [first, last) of it) and its identity.
 
-    Raises a ``RecordError`` subclass on any mismatch; returns the parsed header otherwise.
+    Raises a ``RecordError`` subclass on any mismatch; returns the parsed header otherwise. A sealed
+    record's payload is checked only where it is opened (its GCM tag, ``blocks.sealed``): here its
+    header and identity are.
     """
     a = _as_u8(buf)
     hdr = decode_header(a)
     _check_identity(hdr, namespace, key, shape)
+    if hdr.sealed:
+        return hdr
     first, last = layers or (0, hdr.shape.num_layers)
     end = hdr.header_bytes + last * hdr.shape.layer_bytes
     if a.nbytes < end:
@@ -334,6 +342,14 @@ def verify_record(
         off = hdr.header_bytes + j * lb
         if xxhash.xxh3_64_intdigest(mv[off : off + lb]) != hdr.layer_sums[j]:
             raise ChecksumMismatch(f"layer {j} payload checksum mismatch (key {hdr.key.hex()})")
+    return hdr
+
+
+def _verify_to_serve(buf, namespace: bytes, key: bytes, shape: BlockShape) -> RecordHeader:
+    """``verify_record`` for bytes about to reach the engine: a sealed record is refused too."""
+    hdr = verify_record(buf, namespace=namespace, key=key, shape=shape)
+    if hdr.sealed:
+        raise RecordSealed(f"record {key.hex()} is sealed for its tenant; this reader has not opened it")
     return hdr
 
 
@@ -349,6 +365,8 @@ def decode_block(buf, layout: EngineLayout, block_id: int, *, namespace: bytes, 
     _check_block_ids(layout, [block_id])
     hdr = decode_header(a)
     _check_identity(hdr, namespace, key, layout.shape)
+    if hdr.sealed:
+        raise RecordSealed(f"record {key.hex()} is sealed for its tenant; this reader has not opened it")
     hb, lb, nl = hdr.header_bytes, hdr.shape.layer_bytes, hdr.shape.num_layers
     if a.nbytes < hb + nl * lb:
         raise RecordTruncated(f"{a.nbytes} bytes, record needs {hb + nl * lb}")
@@ -356,7 +374,7 @@ def decode_block(buf, layout: EngineLayout, block_id: int, *, namespace: bytes, 
     h64 = xxhash.xxh3_64_intdigest
     mv = memoryview(a)
     if layout.is_cuda:
-        verify_record(a, namespace=namespace, key=key, shape=layout.shape)  # all of it before the async copy
+        _verify_to_serve(a, namespace, key, layout.shape)  # all of it before the async copy
         _restore_cuda(layout, [a], [block_id], None)
         return hdr
     table = layout.fast_table()
@@ -463,7 +481,7 @@ def _decode_cuda(recs: Sequence[np.ndarray], layout: EngineLayout, block_ids: Se
     errors: list[RecordError | None] = [None] * len(recs)
     for i, r in enumerate(recs):
         try:
-            verify_record(r, namespace=namespace, key=keys[i], shape=layout.shape)
+            _verify_to_serve(r, namespace, keys[i], layout.shape)
         except RecordError as e:
             errors[i] = e
     good = [i for i in range(len(recs)) if errors[i] is None]
@@ -488,11 +506,11 @@ def _errors(status: np.ndarray, rec: Callable[[int], np.ndarray], layout: Engine
     errors: list[RecordError | None] = [None] * len(status)
     for i in np.flatnonzero(status != fast.OK):
         code = int(status[i])
-        if code >= 0:
+        if code >= 0 and not _PREFIX.unpack_from(rec(i), 0)[2] & FLAG_SEALED:
             errors[i] = ChecksumMismatch(f"layer {code} payload checksum mismatch (key {keys[i].hex()})")
             continue
         try:  # the slow path names the exact problem
-            verify_record(rec(i), namespace=namespace, key=keys[i], shape=layout.shape)
+            _verify_to_serve(rec(i), namespace, keys[i], layout.shape)
             errors[i] = HeaderCorrupt(f"record {i} rejected by the compiled verifier (code {code})")
         except RecordError as e:
             errors[i] = e
@@ -518,6 +536,8 @@ def payload_view(buf, *, namespace: bytes | None = None, key: bytes | None = Non
     """The verified canonical payload of a record, as a uint8 view (no copy)."""
     a = _as_u8(buf)
     hdr = verify_record(a, namespace=namespace, key=key)
+    if hdr.sealed:
+        raise RecordSealed("record is sealed for its tenant; open it (blocks.sealed) before reading its payload")
     return a[hdr.header_bytes : hdr.header_bytes + hdr.shape.payload_bytes]
 
 

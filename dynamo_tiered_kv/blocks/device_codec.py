@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..errors import ChecksumMismatch, RecordError
+from ..errors import ChecksumMismatch, RecordError, RecordSealed
 from ..staging.device_slabs import synchronize
 from .codec import (
     _check_block_ids,
@@ -30,9 +30,9 @@ from .codec import (
     header_bytes,
     record_bytes,
 )
-from .tenant import DEFAULT_TENANT
 from .keys import KEY_BYTES
 from .layout import EngineLayout
+from .tenant import DEFAULT_TENANT
 
 
 def _engine_views(layout: EngineLayout) -> list[torch.Tensor]:
@@ -121,6 +121,8 @@ def decode_blocks_on_device(
         try:
             hdr = decode_header(heads[i])
             _check_identity(hdr, namespace, keys[i], shape)
+            if hdr.sealed:
+                raise RecordSealed(f"record {keys[i].hex()} is sealed for its tenant; this reader has not opened it")
         except RecordError as e:
             errors[i] = e
             continue

@@ -51,6 +51,18 @@ class TieredKVConfig(BaseSettings):
         1.0, gt=0, le=1, allow_inf_nan=False, description="share of each tier's capacity a tenant may hold unless "
         "tenant_quotas names it; past it the tenant evicts its own blocks; 1.0: no quota"
     )
+    encryption: Literal["off", "on"] = Field(
+        "off", description="seal every record at rest (SSD, objects) with AES-256-GCM under per-tenant keys "
+        "(docs/ENCRYPTION.md); needs a key-encryption key source"
+    )
+    encryption_keys: str | None = Field(
+        None, description="where the key-encryption keys are: file:///path (text or JSON), env:NAME, or dir:///path "
+        "(a mounted Kubernetes Secret, one file per version); None: env:DTKV_TENANT_KEKS"
+    )
+    encryption_key_cache_s: float = Field(
+        60.0, ge=0, allow_inf_nan=False, description="how long a node keeps using a tenant key it read: the bound "
+        "on how long an erased tenant stays readable on other nodes"
+    )
     tenant_quotas: dict[str, dict[Literal["host", "ssd", "object"], int | float | str]] = Field(
         default_factory=dict, max_length=MAX_TENANT_QUOTAS, description="per-tenant limits, {tenant: {tier: bytes, "
         "'40GiB' or a share <= 1.0}}; a tenant is its name (cache_salt), 'id:<16 hex>' or 'default'"

@@ -1,0 +1,256 @@
+"""A tier whose records are sealed (encrypted for their tenant) at rest: wraps the SSD and object tiers.
+
+``SealedTier(inner, cipher)`` is the tier the store sees. Every record it writes is copied into a
+buffer of its own and sealed there (``blocks.sealed``: the payload encrypted with a data key of
+the record's tenant, the header flagged and carrying the seal), so the staging slab, which other
+tiers may still read, is never changed; every record it reads is opened in the caller's buffer
+before the store verifies it. A record that does not open (its tenant's key erased, unreachable
+or wrong, or any byte changed) is a miss: the caller recomputes, nothing is deleted (a key store
+outage must not destroy data), and the count is in ``open_failures``.
+
+Sealed bytes move between tiers untouched: the flusher uploads SSD segments as they are, so the
+object tier holds the same sealed records; a promotion from objects to the SSD opens (read) and
+seals again (write) under this process's data key.
+
+A byte range of a sealed record cannot be checked on its own (one GCM tag covers the payload), so a
+range read reads the whole record, opens it and copies the range. GPU-direct transfers are off
+(``device_io`` is None): sealing runs on the host.
+
+Threads: ``write_many``/``read_many``/``read_slab`` run on the store's loop and do the cipher work
+in the default executor (a first use of a tenant may wait on the key store, which runs on this
+loop; ``TenantKeyStore.lookup`` never waits on its own loop's thread). ``read_slab_now`` opens on
+the calling (restore) thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..blocks.keys import BlockKey
+from ..blocks.sealed import open_record, seal_record
+from ..errors import TierUnavailable
+from ..tiers.base import ByteRange, ReadRequest, RecordPin, ResidencyHook, Tier, TierExpiry, TierUsage
+from .cipher import SEAL_BYTES, RecordCipher, TenantKeyUnavailable
+
+if TYPE_CHECKING:
+    from ..policy.retention import RetentionClasses
+    from ..tiers.segments import SealedSegment
+    from ..tiers.ssd.gds import DeviceIO
+
+log = logging.getLogger(__name__)
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    """Page-aligned memory (anonymous mmap): O_DIRECT writes take it as it is."""
+    return np.frombuffer(mmap.mmap(-1, max(nbytes, mmap.PAGESIZE)), np.uint8)[:nbytes]
+
+
+class _Buffers:
+    """Reused page-aligned buffers for sealed copies: a write batch takes one, gives it back once
+    the inner tier wrote it (at most ``keep`` are kept)."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self._free: list[np.ndarray] = []
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            for i, b in enumerate(self._free):
+                if b.nbytes >= nbytes:
+                    return self._free.pop(i)
+        return _aligned(max(nbytes, 1 << 20))
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if len(self._free) < self._keep:
+                self._free.append(buf)
+
+
+class SealedTier(Tier):
+    """``inner`` with every record sealed at rest (module docstring)."""
+
+    def __init__(self, inner: Tier, cipher: RecordCipher | Callable[[], RecordCipher]) -> None:
+        self.inner = inner
+        self._cipher_or_factory = cipher
+        self._cipher: RecordCipher | None = cipher if isinstance(cipher, RecordCipher) else None
+        self.name = inner.name
+        self.capabilities = inner.capabilities
+        self.read_parallelism = inner.read_parallelism
+        self.max_concurrency = inner.max_concurrency
+        self.read_piece_bytes = inner.read_piece_bytes
+        self.frugal_piece_bytes = inner.frugal_piece_bytes
+        self.load_chunk_bytes = inner.load_chunk_bytes
+        self.slab_reads_now = inner.slab_reads_now
+        self._buffers = _Buffers()
+        self.open_failures = 0  # records that did not open (a miss each)
+        self.seal_failures = 0  # records not written because their tenant had no key
+
+    @property
+    def cipher(self) -> RecordCipher:
+        if self._cipher is None:
+            raise TierUnavailable("sealed tier used before open()")
+        return self._cipher
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    async def open(self) -> None:
+        await self.inner.open()
+        if self._cipher is None:
+            factory = self._cipher_or_factory
+            assert callable(factory)
+            self._cipher = factory()  # type: ignore[assignment]
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    # --- index (the inner tier's) -------------------------------------------------------------
+    def contains(self, key: BlockKey) -> bool:
+        return self.inner.contains(key)
+
+    def size_of(self, key: BlockKey) -> int | None:
+        return self.inner.size_of(key)
+
+    def keys(self) -> Iterator[BlockKey]:
+        return self.inner.keys()
+
+    def usage(self) -> TierUsage:
+        return self.inner.usage()
+
+    def contains_prefix(self, keys: Sequence[BlockKey]) -> int:
+        return self.inner.contains_prefix(keys)
+
+    @property
+    def index_ready(self) -> bool:
+        return self.inner.index_ready
+
+    @property
+    def reads_in_place(self) -> bool:
+        return False
+
+    @property
+    def device_io(self) -> DeviceIO | None:
+        return None
+
+    # --- reads: open in the caller's buffer ---------------------------------------------------
+    def _open(self, buf: memoryview | np.ndarray) -> bool:
+        rec = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
+        if open_record(rec.reshape(-1).view(np.uint8), self.cipher, SEAL_BYTES):
+            return True
+        self.open_failures += 1
+        return False
+
+    async def read_many(self, requests: Sequence[ReadRequest]) -> list[int | None]:
+        whole = [r for r in requests if r.byte_range is None]
+        got = dict(zip(map(id, whole), await self.inner.read_many(whole), strict=True)) if whole else {}
+        out: list[int | None] = []
+        for r in requests:
+            if r.byte_range is None:
+                n = got[id(r)]
+                out.append(n if n is None else (n if await asyncio.to_thread(self._open, r.into[:n]) else None))
+            else:
+                out.append(await self._read_range(r.key, r.into, r.byte_range))
+        return out
+
+    async def _read_range(self, key: BlockKey, into: memoryview, byte_range: ByteRange) -> int | None:
+        size = self.inner.size_of(key)
+        if size is None:
+            return None
+        whole = _aligned(size)
+        n = await self.inner.read_into(key, memoryview(whole))
+        if n is None or not await asyncio.to_thread(self._open, whole[:n]):
+            return None
+        part = whole[byte_range.offset : byte_range.offset + byte_range.length]
+        if part.nbytes != byte_range.length or len(into) < part.nbytes:
+            raise ValueError(f"byte range {byte_range} does not fit the record or the destination")
+        np.frombuffer(into, np.uint8)[: part.nbytes] = part
+        return part.nbytes
+
+    async def read_into(self, key: BlockKey, into: memoryview, byte_range: ByteRange | None = None) -> int | None:
+        return (await self.read_many([ReadRequest(key, into, byte_range)]))[0]
+
+    def _open_slab(self, got: list[int | None], dest: np.ndarray, record_bytes: int) -> list[int | None]:
+        return [n if n is None or self._open(dest[i * record_bytes : i * record_bytes + n]) else None
+                for i, n in enumerate(got)]
+
+    async def read_slab(self, keys: Sequence[BlockKey], dest: np.ndarray, record_bytes: int) -> list[int | None]:
+        got = await self.inner.read_slab(keys, dest, record_bytes)
+        return await asyncio.to_thread(self._open_slab, got, dest, record_bytes)
+
+    def read_slab_now(self, keys: Sequence[BlockKey], dest: np.ndarray, record_bytes: int) -> list[int | None] | None:
+        got = self.inner.read_slab_now(keys, dest, record_bytes)
+        return None if got is None else self._open_slab(got, dest, record_bytes)
+
+    def pin_records(self, keys: Sequence[BlockKey],
+                    spill: Callable[[int], np.ndarray]) -> tuple[list[np.ndarray], RecordPin]:
+        raise NotImplementedError("sealed records are opened in a copy, never read in place")
+
+    # --- writes: seal a copy --------------------------------------------------------------------
+    def _seal_all(self, items: list[tuple[BlockKey, memoryview]], buf: np.ndarray) -> list[tuple[BlockKey, memoryview]]:
+        out: list[tuple[BlockKey, memoryview]] = []
+        pos = 0
+        for key, data in items:
+            n = memoryview(data).nbytes
+            rec = buf[pos : pos + n]
+            rec[:] = np.frombuffer(data, np.uint8)
+            try:
+                seal_record(rec, self.cipher, SEAL_BYTES)
+            except TenantKeyUnavailable as e:
+                self.seal_failures += 1
+                log.warning("%s tier: block %s not written: %s", self.name, key.hex(), e)
+                continue
+            out.append((key, memoryview(rec)))
+            pos += n
+        return out
+
+    async def write_many(self, items: Iterable[tuple[BlockKey, memoryview]]) -> None:
+        todo = list(items)
+        buf = self._buffers.take(sum(memoryview(d).nbytes for _, d in todo))
+        try:
+            sealed = await asyncio.to_thread(self._seal_all, todo, buf)
+            if sealed:
+                await self.inner.write_many(sealed)
+        finally:
+            self._buffers.give(buf)
+
+    async def write(self, key: BlockKey, data: memoryview) -> None:
+        await self.write_many([(key, data)])
+
+    async def delete(self, key: BlockKey) -> bool:
+        return await self.inner.delete(key)
+
+    async def delete_many(self, keys: Iterable[BlockKey]) -> int:
+        return await self.inner.delete_many(keys)
+
+    # --- the rest of the contract: the inner tier's -------------------------------------------------
+    @property
+    def retention(self) -> RetentionClasses:
+        return self.inner.retention
+
+    def configure_retention(self, *, max_share: float, clock: Callable[[], float]) -> RetentionClasses:
+        return self.inner.configure_retention(max_share=max_share, clock=clock)
+
+    def tenant_limit(self, tenant: str) -> int:
+        return self.inner.tenant_limit(tenant)
+
+    def tenant_usage(self) -> dict[bytes, tuple[int, int]] | None:
+        return self.inner.tenant_usage()
+
+    def set_residency_hook(self, hook: ResidencyHook | None) -> None:
+        self.inner.set_residency_hook(hook)
+
+    @property
+    def residency_hook(self) -> ResidencyHook | None:
+        return self.inner.residency_hook
+
+    async def seal(self) -> SealedSegment | None:
+        return await self.inner.seal()
+
+    async def expire(self, now: float, max_bytes: int) -> TierExpiry:
+        return await self.inner.expire(now, max_bytes)
