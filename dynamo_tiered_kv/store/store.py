@@ -81,6 +81,7 @@ from ..staging.device_slabs import DeviceStagingPool
 from ..staging.slabs import StagingPool
 from ..tiers.base import Tier
 from . import lifecycle
+from .erasure import ErasureService
 from .lifecycle import Background
 from .metrics import StoreMetrics
 from .reads.pipeline import ChunkReader, LoadStages
@@ -191,6 +192,7 @@ class TieredStore:
         self._retention = RetentionService(self._state, staging, self._writer.write_tier, max_share=retain_max_share,
                                            clock=clock, sweep_interval_s=sweep_interval_s,
                                            expire_interval_s=expire_interval_s, expire_pass_bytes=EXPIRE_PASS_BYTES)
+        self._erasure = ErasureService(self._state, interval_s=sweep_interval_s)
         self.set_residency(on_residency)
         # the thread runs a method of the store: while the loop runs, the store stays alive even when
         # nobody else holds it, so the exit hook (which tracks stores weakly) still closes it
@@ -205,7 +207,7 @@ class TieredStore:
             await t.open()
         for b in self._background:
             self._state.bg_tasks.append(asyncio.ensure_future(lifecycle.run_background(b)))
-        for name, coro in self._retention.background():
+        for name, coro in [*self._retention.background(), *self._erasure.background()]:
             self._state.bg_tasks.append(asyncio.create_task(coro, name=name))
 
     def _run_loop(self) -> None:

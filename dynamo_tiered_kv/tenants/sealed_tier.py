@@ -166,7 +166,7 @@ class SealedTier(Tier):
         n = await self.inner.read_into(key, memoryview(whole))
         if n is None or not await asyncio.to_thread(self._open, whole[:n]):
             return None
-        part = whole[byte_range.offset : byte_range.offset + byte_range.length]
+        part = whole[byte_range.start : byte_range.start + byte_range.length]
         if part.nbytes != byte_range.length or len(into) < part.nbytes:
             raise ValueError(f"byte range {byte_range} does not fit the record or the destination")
         np.frombuffer(into, np.uint8)[: part.nbytes] = part
@@ -241,6 +241,12 @@ class SealedTier(Tier):
 
     def tenant_usage(self) -> dict[bytes, tuple[int, int]] | None:
         return self.inner.tenant_usage()
+
+    def erasures(self) -> dict[bytes, float]:
+        return self.inner.erasures()
+
+    async def erase_tenant(self, tenant: bytes) -> int:
+        return await self.inner.erase_tenant(tenant)
 
     def set_residency_hook(self, hook: ResidencyHook | None) -> None:
         self.inner.set_residency_hook(hook)

@@ -264,6 +264,29 @@ class Tier(abc.ABC):
         tenant."""
         return None
 
+    def erasures(self) -> dict[bytes, float]:
+        """Tenants erased cluster-wide as this tier knows them (tenant -> unix time of the erase):
+        the object tier reads the bucket's erasure markers; a tier with no shared view knows none."""
+        return {}
+
+    async def erase_tenant(self, tenant: bytes) -> int:
+        """Drop every block of ``tenant`` this tier holds (an erasure); returns how many. This default
+        reads each record's header (``blocks.codec.record_tenant``): tiers that index tenants
+        override it."""
+        from ..blocks.codec import record_tenant
+
+        head = bytearray(128)
+        doomed = []
+        for key in list(self.keys()):
+            n = await self.read_into(key, memoryview(head)[:120], ByteRange(0, 120))
+            if n == 120 and record_tenant(head) == tenant:
+                doomed.append(key)
+        n = await self.delete_many(doomed)
+        if self._retention is not None:
+            self._retention.forget(doomed)
+        self._report_evicted(doomed)
+        return n
+
     def set_residency_hook(self, hook: ResidencyHook | None) -> None:
         """The listener told of blocks the tier drops on its own (capacity eviction, expiry)."""
         self._residency_hook = hook

@@ -108,6 +108,16 @@ class HostTier(Tier):
         except ValueError:  # a holder that names no tenant id: the default share
             return self._quotas.limit(b"")
 
+    async def erase_tenant(self, tenant: bytes) -> int:
+        with self._lock:
+            doomed = [k for k, t in self._tenant_of.items() if t == tenant]
+            for k in doomed:
+                self._drop(k)
+        if self._retention is not None:
+            self._retention.forget(doomed)
+        self._report_evicted(doomed)
+        return len(doomed)
+
     def tenant_usage(self) -> dict[bytes, tuple[int, int]]:
         with self._lock:
             return self.ledger.snapshot()
