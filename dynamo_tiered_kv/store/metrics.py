@@ -19,6 +19,8 @@ Names (all prefixed ``dtkv_``; ``tier`` is the tier's ``name``):
     lookup_blocks_total{tier}        blocks found by lookup, by fastest tier ("none" = first miss)
     offload_blocks_total             blocks accepted for offload
     offload_dropped_total{reason}    offload batches dropped (queue_full, no_staging, too_large, closed)
+    offload_inflight_skips_total{tier}  block saves skipped because a save of that block to that
+                                     tier was still in flight (it stores the block)
     load_failed_blocks_total         blocks reported to the engine as failed loads
     restore_stage_seconds{stage,tier}  per load: stage "read" (tier = the tier; its read wall time),
                                      "wait" (caller blocked on reads), "decode" (verify+scatter),
@@ -103,6 +105,8 @@ class StoreMetrics:
         self.offload_blocks = Counter("dtkv_offload_blocks", "blocks accepted for offload", registry=r)
         self.offload_dropped = Counter("dtkv_offload_dropped", "offload batches dropped", ["reason"],
                                        registry=r)
+        self.offload_inflight_skips = Counter("dtkv_offload_inflight_skips", "block saves skipped: a save of the "
+                                              "block to that tier was in flight", ["tier"], registry=r)
         self.load_failed_blocks = Counter("dtkv_load_failed_blocks", "blocks reported as failed loads",
                                           registry=r)
         self.observability_failures = Counter("dtkv_observability_failures",
@@ -121,8 +125,9 @@ class StoreMetrics:
         r.register(usage)
         self._own = [self.hits, self.misses, self.read_bytes, self.written_bytes, self.read_seconds,
                      self.write_seconds, self.errors, self.checksum_failures, self.lookup_blocks,
-                     self.offload_blocks, self.offload_dropped, self.load_failed_blocks, self.observability_failures,
-                     self.restore_stage_seconds, self.restore_bytes, self.codec_fast_path, usage]
+                     self.offload_blocks, self.offload_dropped, self.offload_inflight_skips, self.load_failed_blocks,
+                     self.observability_failures, self.restore_stage_seconds, self.restore_bytes, self.codec_fast_path,
+                     usage]
         self._server = None
 
     def observe_restore(self, st: LoadStages) -> None:
