@@ -24,6 +24,7 @@ from .policy.quotas import TenantQuotas
 from .staging.device_slabs import DeviceStagingPool
 from .staging.slabs import StagingPool
 from .store import TieredStore
+from .tenants.metrics import TenantCollector
 from .tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -258,6 +259,7 @@ def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | Non
         expire_interval_s=config.expire_interval_s,
     )
     _observe(store, _ProcessWideMetrics())
+    _observe(store, TenantCollector(lambda: store.tiers))  # per-tenant bytes, quotas, retained bytes
     if flusher is not None:
         _observe(store, _FlushCollector(flusher))
     store.flusher = flusher  # type: ignore[attr-defined]
