@@ -76,6 +76,19 @@ class _FlushCollector(Collector):
                                   s.already_stored_bytes)
 
 
+class _ObjectReadCollector(Collector):
+    """The S3 backend's hedged GETs as Prometheus counters (read at scrape time)."""
+
+    def __init__(self, backend) -> None:  # backend: dynamo_tiered_kv.tiers.objectstore.ObjectBackend
+        self.backend = backend
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        s = self.backend.stats
+        yield CounterMetricFamily("dtkv_s3_hedges_sent", "second GETs sent for a range whose first GET was late "
+                                  "to answer", s.hedges_sent)
+        yield CounterMetricFamily("dtkv_s3_hedges_won", "ranged reads answered by their second GET", s.hedges_won)
+
+
 class _ProcessWideMetrics(Collector):
     """Re-exports the ``dtkv_*`` metrics some tiers keep in prometheus' process-wide registry
     (the SSD tier's), so one ``/metrics`` endpoint per store shows everything."""
@@ -258,8 +271,12 @@ def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | Non
         retain_max_share=config.retain_max_share,
         expire_interval_s=config.expire_interval_s,
     )
+    # object-tier reads of a restore end when recomputing would be sooner (store.reads.pipeline)
+    store.reader.recompute_tokens_per_s = config.recompute_tokens_per_s
     _observe(store, _ProcessWideMetrics())
     _observe(store, TenantCollector(lambda: store.tiers))  # per-tenant bytes, quotas, retained bytes
+    if obj_backend is not None and (config.object_url or "").startswith("s3://"):
+        _observe(store, _ObjectReadCollector(obj_backend))
     if flusher is not None:
         _observe(store, _FlushCollector(flusher))
     store.flusher = flusher  # type: ignore[attr-defined]
@@ -345,4 +362,6 @@ def _s3_tuning(config: TieredKVConfig) -> dict:
         "max_concurrency": config.s3_max_concurrency,
         "read_concurrency": config.s3_read_concurrency,  # sizes the connection pool for the tier's reads
         "direct_reads": config.s3_direct_reads,
+        "first_byte_timeout_s": config.s3_first_byte_timeout_s,
+        "hedge_reads": config.s3_hedge_reads,
     }

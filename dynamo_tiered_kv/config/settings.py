@@ -114,6 +114,14 @@ class TieredKVConfig(BaseSettings):
     s3_direct_reads: bool = Field(
         True, description="ranged GETs received straight into staging memory (false: through aiobotocore)"
     )
+    s3_first_byte_timeout_s: float = Field(
+        1.0, gt=0, allow_inf_nan=False, description="longest wait for a ranged GET's first response byte before "
+        "the attempt is given up and retried (a stalled gateway then costs about this much per attempt)"
+    )
+    s3_hedge_reads: bool = Field(
+        True, description="send a second identical ranged GET when the first has not answered after the p99 "
+        "first-byte latency of recent GETs (at least 50 ms); the first to answer is used, the other closed"
+    )
     flush_queue_segments: int = Field(16, ge=1, description="bounded flusher queue")
 
     # --- staging, admission, engine-facing -----------------------------------------------------
@@ -139,6 +147,11 @@ class TieredKVConfig(BaseSettings):
         "whose expiry passed leave every tier (at most 1 GiB per pass); 0: off"
     )
     load_timeout_s: float = Field(30.0, gt=0, description="deadline of one restore; blocks not restored are recomputed")
+    recompute_tokens_per_s: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="this engine's prefill rate: a restore then waits on the "
+        "object tier at most as long as recomputing its tokens would take (at least 0.2 s), and is a miss at once "
+        "when recent GETs say its bytes cannot arrive in time; None: only load_timeout_s bounds it"
+    )
     load_async: bool = Field(
         True, description="restore in the background while the batch keeps decoding (vLLM WAITING_FOR_REMOTE_KVS)"
     )

@@ -27,6 +27,10 @@ Names (all prefixed ``dtkv_``; ``tier`` is the tier's ``name``):
                                      "paced" (verify+scatter held back by restore_cpu_share),
                                      "total" (the load call); tier "all" for the caller's stages
     restore_bytes_total{tier}        record bytes restores read from each tier
+    restores_abandoned_total{reason} loads cut short by time, the rest recomputed: "estimate" (the
+                                     object tier expected its GETs to outlast the restore budget and
+                                     sent none), "budget" (the budget, recompute_tokens_per_s, ran
+                                     out), "deadline" (the load's timeout passed)
     observability_failures_total{what}  observability set-up that failed while the store kept serving
                                      (port: /metrics port unavailable; collector: not registered)
     codec_fast_path                  1 when the compiled codec helper is loaded, 0 when CPU-layout
@@ -117,6 +121,8 @@ class StoreMetrics:
                                                buckets=_LATENCY_BUCKETS, registry=r)
         self.restore_bytes = Counter("dtkv_restore_bytes", "record bytes restores read, by tier", ["tier"],
                                      registry=r)
+        self.restores_abandoned = Counter("dtkv_restores_abandoned", "loads cut short by time (estimate, budget, "
+                                          "deadline); their blocks are recomputed", ["reason"], registry=r)
         self.codec_fast_path = Gauge("dtkv_codec_fast_path", "1 when the compiled codec helper is loaded",
                                      registry=r)
         self.codec_fast_path.set(float(fast.AVAILABLE))
@@ -126,7 +132,8 @@ class StoreMetrics:
         self._own = [self.hits, self.misses, self.read_bytes, self.written_bytes, self.read_seconds,
                      self.write_seconds, self.errors, self.checksum_failures, self.lookup_blocks,
                      self.offload_blocks, self.offload_dropped, self.offload_inflight_skips, self.load_failed_blocks,
-                     self.observability_failures, self.restore_stage_seconds, self.restore_bytes, self.codec_fast_path,
+                     self.observability_failures,
+                     self.restore_stage_seconds, self.restore_bytes, self.restores_abandoned, self.codec_fast_path,
                      usage]
         self._server = None
 

@@ -16,6 +16,9 @@ Contract shared by all tiers:
 * Everything the store or the flusher uses of a tier is declared here, abstract or with a
   default; nobody probes a tier for optional members or sets attributes on it. The store
   configures a tier through methods (``configure_retention``, ``set_residency_hook``).
+* A read made under ``read_budget`` (a restore that recomputing would beat after a while) ends
+  by the budget's deadline where the tier can bound its I/O (the object tier): what cannot
+  arrive in time is a miss.
 
 Only coroutine methods may do I/O; they run blocking work in threads, never on the loop.
 """
@@ -23,9 +26,11 @@ Only coroutine methods may do I/O; they run blocking work in threads, never on t
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -77,6 +82,37 @@ class TierUsage:
     capacity_bytes: int
     used_bytes: int
     num_blocks: int
+
+
+@dataclass
+class ReadBudget:
+    """Until when the reads of one restore are worth waiting for (``time.monotonic()``): past it
+    recomputing the blocks is cheaper. A tier that can bound its I/O reads within it: a read it
+    expects to miss the deadline is a miss at once (``gave_up = "estimate"``, nothing sent), one
+    still running at the deadline gives up (``gave_up = "budget"``). Set by the store before its
+    reads; ``gave_up`` is written by the tier on the store's loop and read by the store once the
+    read has completed."""
+
+    deadline: float
+    gave_up: str | None = None
+
+
+_read_budget: ContextVar[ReadBudget | None] = ContextVar("dtkv_read_budget", default=None)
+
+
+@contextlib.contextmanager
+def read_budget(budget: ReadBudget | None) -> Iterator[None]:
+    """Reads made inside (in tasks created inside, too) are bounded by ``budget`` (None: none)."""
+    token = _read_budget.set(budget)
+    try:
+        yield
+    finally:
+        _read_budget.reset(token)
+
+
+def current_read_budget() -> ReadBudget | None:
+    """The ``read_budget`` the current read runs under, if any."""
+    return _read_budget.get()
 
 
 class ResidencyHook(Protocol):

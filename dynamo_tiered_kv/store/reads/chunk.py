@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ...staging.device_slabs import DeviceSlab, DeviceSpan
 from ...staging.slabs import Slab
+from ...tiers.base import ReadBudget
 
 
 class Handoff:
@@ -45,6 +46,7 @@ class ChunkRead:
     frugal: bool = False  # a pacer limits the load: read in the tier's fewest requests (its CPU is the forward's)
     spans: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # tier -> read intervals
     nbytes: dict[int, int] = field(default_factory=dict)  # tier -> bytes arrived
+    budget: ReadBudget | None = None  # the load's bound on its object-tier reads (``read_budget``)
 
 
 def slot_view(slab: Slab | DeviceSlab, offset: int, nbytes: int) -> memoryview | DeviceSpan:

@@ -17,6 +17,12 @@ scattered on the calling thread, several chunks in flight.
   (records pinned against eviction meanwhile): no copy into a slab at all.
 * If the caller stops waiting (timeout, an earlier chunk failed), the reader frees the slab when
   its I/O returns, so no tier ever writes into a slab that was handed out again (failure rule 6).
+* With ``recompute_tokens_per_s`` set, a restore never waits on the object tier longer than
+  recomputing would take: its object-tier reads run under a ``ReadBudget`` of the tokens from the
+  first block that tier serves to the end at that rate (at least ``BUDGET_FLOOR_S``; the load's
+  timeout if sooner). The tier gives up by then, or at once when it expects its GETs to take
+  longer; the engine recomputes those blocks. ``dtkv_restores_abandoned_total{reason}`` counts
+  loads cut short: ``estimate`` (nothing sent), ``budget`` (ran out), ``deadline`` (the timeout).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from ...blocks.layout import EngineLayout
 from ...policy.pacing import SLICE_BYTES, Pacer
 from ...staging.device_slabs import DeviceSlab
 from ...staging.slabs import Slab, StagingPool
-from ...tiers.base import ReadRequest, Tier
+from ...tiers.base import ReadBudget, ReadRequest, Tier, read_budget
 from .chunk import ChunkRead, Handoff, slot_view
 from .direct import DirectReader, first_part
 from .fanout import fan_out
@@ -56,6 +62,8 @@ MIN_PIECE_BYTES = 4 << 20  # smaller concurrent reads cost more per request than
 #: three chunks through the loop spent more in hand-offs between chunks than verify+scatter
 #: overlapping the reads saved (docs/BENCHMARKS.md, "Restore fixed costs")
 LOAD_DIRECT_BYTES = 16 << 20
+#: shortest object-tier budget of a restore: below it a GET's own latency would decide
+BUDGET_FLOOR_S = 0.2
 
 
 class _ChunkDecoder:
@@ -95,7 +103,12 @@ class ChunkReader:
     faster tiers) and the admission policy (which tiers a loaded block is promoted into).
     Threads: ``load_pipelined`` and the verify+scatter run on the calling (loading) thread, the
     chunk reads on the store's loop or a ``dtkv-readnow`` helper; ``_read_gates`` is the loop's.
+
+    ``recompute_tokens_per_s``: the engine's prefill rate, which bounds object-tier reads (module
+    docstring); None: off. Set once before loads start (``factory.build_store``).
     """
+
+    recompute_tokens_per_s: float | None = None
 
     def __init__(self, state: StoreState, staging: StagingPool, writer: OffloadWriter, admission: Admission, *,
                  write_depth: int, ns_digest: bytes, load_chunk_bytes: int, load_first_chunk_bytes: int,
@@ -141,6 +154,7 @@ class ChunkReader:
         first = first_part(n, rb) if direct_ti is not None else n if n <= per_chunk else \
             per_chunk if tier_chunk is not None else max(1, min(per_chunk, self.load_first_chunk_bytes // rb))
         in_place_ok = layout.fast_table() is not None
+        budget, budget_binding = self._budget(layout, keys, deadline)
         inflight: deque[ChunkRead] = deque()
         # compiled layouts only: the Python path holds the GIL, threads would take turns
         ways = (None if decode_threads is None else max(1, decode_threads)) if in_place_ok else 1
@@ -183,7 +197,7 @@ class ChunkReader:
                 inflight.append(rd)
             else:
                 inflight.append(self._start_read(slab, rb, next_i, end, keys[next_i:end],
-                                                 frugal=pacer is not None and pacer.limiting()))
+                                                 frugal=pacer is not None and pacer.limiting(), budget=budget))
             next_i = end
             return True
 
@@ -212,7 +226,7 @@ class ChunkReader:
                         break
                     if rd.start + want < rd.end:  # records left the host tier since the chunk was planned
                         inflight.appendleft(self._start_read(rd.slab, rb, rd.start + want, rd.end,
-                                                             keys[rd.start + want:rd.end]))
+                                                             keys[rd.start + want:rd.end], budget=budget))
                     continue
                 t0 = time.perf_counter()
                 sources = self._finish_read(rd, remaining())
@@ -233,6 +247,8 @@ class ChunkReader:
                 self._abandon(inflight.popleft())
             st.paced_s = decoder.waited_s
             st.decode_s -= decoder.waited_s
+        if len(loaded) < n:
+            self._count_abandoned(budget, budget_binding, deadline)
         for ti, sp in spans.items():
             name = self.tiers[ti].name
             st.read_s[name] = st.read_s.get(name, 0.0) + _union(sp)
@@ -352,10 +368,42 @@ class ChunkReader:
             self.metrics.hits.labels(name).inc(c)
         return ok
 
+    def _budget(self, layout: EngineLayout, keys: Sequence[BlockKey],
+                deadline: float | None) -> tuple[ReadBudget | None, bool]:
+        """(the load's bound on its object-tier reads, whether recomputing rather than the load's
+        deadline sets it); (None, False) when ``recompute_tokens_per_s`` is off or no block comes
+        from an object tier."""
+        rate = self.recompute_tokens_per_s
+        if not rate:
+            return None, False
+        tiers, fastest = self.tiers, self._state.fastest
+        first = next((j for j, k in enumerate(keys)
+                      if (ti := fastest(k)) is not None and tiers[ti].capabilities.medium == "object"), None)
+        if first is None:
+            return None, False
+        # failing at block ``first`` makes the engine recompute it and every block after it
+        end = time.monotonic() + max(BUDGET_FLOOR_S, (len(keys) - first) * layout.shape.block_size / rate)
+        if deadline is not None and deadline <= end:
+            return ReadBudget(deadline), False
+        return ReadBudget(end), True
+
+    def _count_abandoned(self, budget: ReadBudget | None, binding: bool, deadline: float | None) -> None:
+        """Count a load cut short by time, once, by why (``dtkv_restores_abandoned_total``)."""
+        gave_up = None if budget is None else budget.gave_up
+        if gave_up == "estimate":
+            reason = "estimate"
+        elif gave_up is not None:
+            reason = "budget" if binding else "deadline"
+        elif deadline is not None and time.monotonic() >= deadline:
+            reason = "deadline"
+        else:
+            return  # a miss or a record that failed verification: not a matter of time
+        self.metrics.restores_abandoned.labels(reason).inc()
+
     # --- loop side -----------------------------------------------------------------------------
     def _start_read(self, slab: Slab | DeviceSlab, rb: int, start: int, end: int,
-                    keys: Sequence[BlockKey], frugal: bool = False) -> ChunkRead:
-        rd = ChunkRead(start, end, slab, None, Handoff(), frugal=frugal)
+                    keys: Sequence[BlockKey], frugal: bool = False, budget: ReadBudget | None = None) -> ChunkRead:
+        rd = ChunkRead(start, end, slab, None, Handoff(), frugal=frugal, budget=budget)
         rd.fut = asyncio.run_coroutine_threadsafe(self._read_into_slab(rd, rb, keys), self._state.loop)
         return rd
 
@@ -482,11 +530,12 @@ class ChunkReader:
         slab = rd.slab
         t0 = time.perf_counter()
         try:
-            if isinstance(slab, Slab):  # no request or view per record where the tier has such a path
-                results = await tier.read_slab(keys[start:end], slab.array[start * rb:end * rb], rb)
-            else:
-                results = await tier.read_many([ReadRequest(keys[j], slot_view(slab, j * rb, rb))
-                                                for j in range(start, end)])
+            with read_budget(rd.budget):  # bounds the tiers that can bound their I/O (the object tier)
+                if isinstance(slab, Slab):  # no request or view per record where the tier has such a path
+                    results = await tier.read_slab(keys[start:end], slab.array[start * rb:end * rb], rb)
+                else:
+                    results = await tier.read_many([ReadRequest(keys[j], slot_view(slab, j * rb, rb))
+                                                    for j in range(start, end)])
         except Exception as e:
             self.metrics.errors.labels(tier.name, "read").inc()
             self.metrics.misses.labels(tier.name).inc(end - start)

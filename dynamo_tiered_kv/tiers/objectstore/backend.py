@@ -62,6 +62,8 @@ class BackendStats:
     failures: int = 0  # operations that failed after all retries
     direct_gets: int = 0  # ranged GETs answered by the direct reader (S3)
     direct_fallbacks: int = 0  # times the direct reader gave up for good (S3)
+    hedges_sent: int = 0  # second GETs sent for a range whose first GET was late to answer (S3)
+    hedges_won: int = 0  # reads answered by that second GET (S3)
 
 
 class ObjectBackend(abc.ABC):
@@ -126,6 +128,11 @@ class ObjectBackend(abc.ABC):
     @abc.abstractmethod
     async def delete(self, name: str) -> bool:
         """Delete ``name``; True if it existed (best effort on S3, which does not say)."""
+
+    def expected_get_s(self, nbytes: int) -> float | None:
+        """How long one ranged GET of ``nbytes`` is expected to take, from recent GETs; None when
+        the backend does not know (default). Memory only."""
+        return None
 
     async def get_bytes(self, name: str) -> bytes | None:
         """Whole small object (manifests) as bytes, or None if missing."""

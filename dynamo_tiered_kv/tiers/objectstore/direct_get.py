@@ -15,6 +15,12 @@ bytes. A ``206`` must carry the asked ``Content-Range``; an S3 error status beco
 before. Anything else (chunked or unframed bodies, redirects, a proxy in the environment, a
 range the server ignored) raises ``DirectGetUnsupported``; the backend then reads through
 aiobotocore for good.
+
+Bounds of one GET: its first response byte within ``first_byte_timeout_s`` of the request
+(``FirstByteTimeout``: a stalled gateway fails the attempt in about a second, and it is retried
+within the caller's budget), then no silence longer than ``body_idle_timeout_s``. A GET run as an
+``hedge.Attempt`` reports its first byte and takes ownership of the destination buffers right
+before its first body byte is stored: a hedged twin that lost never writes there.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any
 from botocore.exceptions import ClientError
 from botocore.httpsession import get_cert_path
 
+from .hedge import Attempt, HedgeLost
 from .retry import with_timeout
 
 HEAD_MAX = 64 << 10  # longest status line + headers accepted
@@ -51,7 +58,11 @@ class DirectGetUnsupported(Exception):
 
 
 class BodyStalled(ConnectionError):
-    """The server sent nothing for the idle timeout (before its first response byte: the read timeout)."""
+    """The server sent nothing for the idle timeout (before its first response byte: the first-byte bound)."""
+
+
+class FirstByteTimeout(BodyStalled):
+    """No response byte (status line) within the first-byte bound of the request."""
 
 
 class _Response(asyncio.BufferedProtocol):
@@ -67,10 +78,12 @@ class _Response(asyncio.BufferedProtocol):
         self._begin(())
 
     # --- per request --------------------------------------------------------------------------
-    def _begin(self, dests: Sequence[memoryview], total: int = 0, offset: int = 0) -> None:
+    def _begin(self, dests: Sequence[memoryview], total: int = 0, offset: int = 0,
+               attempt: Attempt | None = None) -> None:
         # zero-length views dropped: get_buffer must never hand the transport an empty buffer
         self._dests = [d.cast("B") if d.format != "B" or d.ndim != 1 else d for d in dests if d.nbytes]
         self._total, self._offset = total, offset
+        self._attempt = attempt
         self._i = self._pos = self.got = 0
         self._head = bytearray()
         self.status = 0
@@ -82,8 +95,9 @@ class _Response(asyncio.BufferedProtocol):
         self.last_io = time.monotonic()  # when the last of them arrived (the idle timeout)
         self._phase = "idle"  # head -> body | error | short -> done
 
-    def start(self, dests: Sequence[memoryview], total: int, offset: int) -> asyncio.Future[None]:
-        self._begin(dests, total, offset)
+    def start(self, dests: Sequence[memoryview], total: int, offset: int,
+              attempt: Attempt | None = None) -> asyncio.Future[None]:
+        self._begin(dests, total, offset, attempt)
         self._phase = "head"
         self.done = asyncio.get_running_loop().create_future()
         if self.closed:  # the peer closed it before the request went out
@@ -107,6 +121,8 @@ class _Response(asyncio.BufferedProtocol):
         return memoryview(self._scratch)
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.progress == 0 and self._attempt is not None and self._phase == "head":
+            self._attempt.first_byte()
         self.progress += nbytes
         self.last_io = time.monotonic()
         if self._phase == "body":
@@ -142,6 +158,9 @@ class _Response(asyncio.BufferedProtocol):
         rest = memoryview(self._head)[end + 4:]
         if 200 <= self.status < 300:
             if not self._ranged(length):
+                return
+            if self._attempt is not None and not self._attempt.own():
+                self._fail(HedgeLost("a hedged GET of the same range answered first"))
                 return
             self._phase = "body"
             if rest.nbytes:
@@ -268,17 +287,22 @@ class DirectRangeReader:
         client: the backend's aiobotocore S3 client (used to presign only).
         bucket: the bucket every key lives in.
         connect_timeout_s: TCP (and TLS) connect bound.
-        read_timeout_s: bound on the wait for the first response byte.
+        read_timeout_s: bound on the wait for the first response byte when no tighter
+            ``first_byte_timeout_s`` is given.
         body_idle_timeout_s: longest silence once the response has begun (headers or body).
+        first_byte_timeout_s: bound on the wait for the first response byte (None: ``read_timeout_s``).
         verify_tls: as for botocore: False skips certificate checks, a path is a CA bundle.
     """
 
     def __init__(self, client: Any, bucket: str, *, connect_timeout_s: float, read_timeout_s: float,
-                 body_idle_timeout_s: float, verify_tls: bool | str = True) -> None:
+                 body_idle_timeout_s: float, verify_tls: bool | str = True,
+                 first_byte_timeout_s: float | None = None) -> None:
         self._client = client
         self.bucket = bucket
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
+        self.first_byte_timeout_s = read_timeout_s if first_byte_timeout_s is None else min(
+            first_byte_timeout_s, read_timeout_s)
         self.body_idle_timeout_s = body_idle_timeout_s
         self._verify_tls = verify_tls
         self._ssl: ssl.SSLContext | None = None
@@ -294,17 +318,19 @@ class DirectRangeReader:
                 c._close()
         self._idle.clear()
 
-    async def get_range(self, key: str, offset: int, dests: Sequence[memoryview]) -> int | None:
+    async def get_range(self, key: str, offset: int, dests: Sequence[memoryview],
+                        attempt: Attempt | None = None) -> int | None:
         """Bytes ``[offset, offset + total)`` of ``key`` into ``dests``: ``total``, or None when the
         object is missing or shorter. Raises ``ClientError`` for S3 errors, ``ConnectionError``
-        or ``TimeoutError`` for transport faults, ``DirectGetUnsupported`` as said above."""
+        or ``TimeoutError`` for transport faults (``FirstByteTimeout``, ``HedgeLost`` among them),
+        ``DirectGetUnsupported`` as said above. ``attempt``: this GET is one of a hedged read."""
         total = sum(d.nbytes for d in dests)
         resigned = redialed = False
         while True:
             parts, cached = await self._presigned(key)
             conn = await self._connection(parts, fresh=redialed)
             try:
-                await self._exchange(conn, parts, offset, total, dests)
+                await self._exchange(conn, parts, offset, total, dests, attempt)
             except BaseException as e:
                 conn._close()
                 if (isinstance(e, ConnectionError) and not isinstance(e, BodyStalled) and conn.reused
@@ -325,11 +351,13 @@ class DirectRangeReader:
                 raise _client_error(status, bytes(conn.error_body))
             if conn.got != total:  # pragma: no cover - the protocol settles a 2xx only when complete
                 raise ConnectionResetError(f"body ended at {conn.got} of {total} bytes")
+            if attempt is not None:
+                attempt.finished(total)
             return total
 
     async def _exchange(self, conn: _Response, parts: urllib.parse.SplitResult, offset: int, total: int,
-                        dests: Sequence[memoryview]) -> None:
-        done = conn.start(dests, total, offset)
+                        dests: Sequence[memoryview], attempt: Attempt | None = None) -> None:
+        done = conn.start(dests, total, offset, attempt)
         target = parts.path + ("?" + parts.query if parts.query else "")
         assert conn.transport is not None
         conn.transport.write(
@@ -337,21 +365,25 @@ class DirectRangeReader:
             f"Accept-Encoding: identity\r\nUser-Agent: dynamo-tiered-kv\r\n\r\n".encode("latin-1"))
         sent = time.monotonic()
         while True:
-            # until the first response byte: read_timeout_s from the request (the server is still
-            # working); from then on body_idle_timeout_s of silence, headers included (a response
-            # cut inside its headers whose reset never arrives must not hold the read)
+            # until the first response byte: first_byte_timeout_s from the request (a stalled
+            # gateway costs an attempt, not the caller's budget); from then on body_idle_timeout_s
+            # of silence, headers included (a response cut inside its headers whose reset never
+            # arrives must not hold the read)
             started = conn.progress > 0
-            limit = conn.last_io + self.body_idle_timeout_s if started else sent + self.read_timeout_s
+            limit = conn.last_io + self.body_idle_timeout_s if started else sent + self.first_byte_timeout_s
             left = limit - time.monotonic()
             if left > 0:
                 await asyncio.wait((done,), timeout=min(left, self.body_idle_timeout_s))
             if done.done():
                 done.result()  # raises what the protocol failed with
                 return
+            if left <= 0 and not started:
+                if attempt is not None:
+                    attempt.no_first_byte()
+                raise FirstByteTimeout(f"no response byte within {self.first_byte_timeout_s}s of the request")
             if left <= 0:
-                what = f"{self.body_idle_timeout_s}s into the response" if started else f"{self.read_timeout_s}s"
-                raise BodyStalled(f"no response bytes for {what} ({conn.progress} bytes, {conn.got} of {total} "
-                                  "body bytes)")
+                raise BodyStalled(f"no response bytes for {self.body_idle_timeout_s}s into the response "
+                                  f"({conn.progress} bytes, {conn.got} of {total} body bytes)")
 
     # --- connections ------------------------------------------------------------------------------
     async def _connection(self, parts: urllib.parse.SplitResult, fresh: bool = False) -> _Response:

@@ -9,7 +9,8 @@ A caller with a deadline of its own (the object tier's ``read_timeout_s``) runs 
 ``shared_deadline``: then every attempt gets at most its share of the time left (``left /
 attempts left``) and no attempt or backoff starts past the deadline. One attempt stuck on a
 connection that went silent can no longer spend the whole budget: the retries still run, and
-the call raises ``TierUnavailable`` before the caller's own timeout.
+the call raises ``TierUnavailable`` before the caller's own timeout (``DeadlineReached`` when it
+was the deadline that ended it).
 
 The breaker counts operations that failed *after* their retries. ``failure_threshold`` of them in
 a row open it: calls then fail at once with ``TierUnavailable`` (no network traffic) for
@@ -37,6 +38,10 @@ T = TypeVar("T")
 _rng = random.Random()
 # the monotonic deadline of the calls of this context (tasks created inside inherit it)
 _deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("dtkv_retry_deadline", default=None)
+
+
+class DeadlineReached(TierUnavailable):
+    """A retried call ran out of its ``shared_deadline`` (the time, not the retries, ran out)."""
 
 
 @contextlib.contextmanager
@@ -169,11 +174,13 @@ async def call_with_retries(attempt: Callable[[], Awaitable[T]], *, policy: Retr
     last: BaseException | None = None
     deadline = _deadline.get()
     tries = 0
+    out_of_time = False  # the deadline, not the attempts, ended the call
     for n in range(policy.max_attempts):
         limit = policy.attempt_timeout_s
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
+                out_of_time = True
                 break
             limit = min(limit, left / (policy.max_attempts - n))  # the later attempts keep their share
         tries += 1
@@ -185,17 +192,20 @@ async def call_with_retries(attempt: Callable[[], Awaitable[T]], *, policy: Retr
             raise
         except (asyncio.TimeoutError, TimeoutError) as e:
             last = e
+            out_of_time = limit < policy.attempt_timeout_s  # its share of the deadline was its bound
         except Exception as e:
             if not is_transient(e):
                 breaker.on_failure(probe)
                 raise TierUnavailable(f"{what} failed: {type(e).__name__}: {e}") from e
             last = e
+            out_of_time = False
         else:
             breaker.on_success(probe)
             return result
         if n + 1 < policy.max_attempts:
             delay = policy.backoff(n)
             if deadline is not None and time.monotonic() + delay >= deadline:
+                out_of_time = True
                 break
             if on_retry is not None:
                 on_retry()
@@ -208,5 +218,6 @@ async def call_with_retries(attempt: Callable[[], Awaitable[T]], *, policy: Retr
                 raise
     breaker.on_failure(probe)
     why = f"{type(last).__name__}: {last}" if last is not None else "no time left"
-    raise TierUnavailable(f"{what} failed after {tries} attempts"
-                          f"{' (deadline reached)' if tries < policy.max_attempts else ''}: {why}") from last
+    error = DeadlineReached if out_of_time else TierUnavailable
+    raise error(f"{what} failed after {tries} attempts"
+                f"{' (deadline reached)' if out_of_time else ''}: {why}") from last

@@ -15,6 +15,12 @@
   whose reset never reaches us would otherwise hold the read for the whole socket timeout, past
   the tier's read budget, instead of failing over in seconds. Reads under the tier's
   ``shared_deadline`` (``retry.py``) also give each attempt only its share of the budget.
+* Before the response begins, a ranged GET waits at most ``first_byte_timeout_s`` for its first
+  byte (both paths; the attempt is then retried): a stalled gateway or an overloaded HDD pool
+  costs about a second per attempt, not the caller's whole deadline. The first-byte latency and
+  throughput of recent GETs (``latency.GetLatency``) time hedges: a GET with no answer after their
+  p99 gets an identical twin, the first to answer is used (``hedge.py``); and they let the tier
+  tell at once that a restore cannot arrive within its budget (``expected_get_s``).
 * Payloads are signed with a plain Content-Length and checksums are only sent when an operation
   requires them (``request_checksum_calculation="when_required"``): Ceph RGW answers the
   aws-chunked uploads newer SDKs send by default with HTTP 411. So over plain HTTP nothing lets
@@ -49,7 +55,9 @@ from botocore.exceptions import (
 
 from ...errors import ConfigError
 from .backend import FileSource, ObjectBackend, ObjectInfo, Scatter, Source, source_len
-from .direct_get import DirectGetUnsupported, DirectRangeReader
+from .direct_get import DirectGetUnsupported, DirectRangeReader, FirstByteTimeout
+from .hedge import Attempt, HedgeLost, Hedger
+from .latency import GetLatency
 from .retry import CircuitBreaker, RetryPolicy, call_with_retries, with_timeout
 
 log = logging.getLogger(__name__)
@@ -58,6 +66,8 @@ DEFAULT_PART_BYTES = 8 << 20
 MIN_PART_BYTES = 5 << 20  # S3 minimum for every part but the last
 _READ_CHUNK = 1 << 20
 DEFAULT_BODY_IDLE_TIMEOUT_S = 2.0
+DEFAULT_FIRST_BYTE_TIMEOUT_S = 1.0
+HEDGE_SHARE = 4  # hedges in flight at most: read_concurrency / HEDGE_SHARE (at least one)
 _TRANSIENT_CODES = {"SlowDown", "RequestTimeout", "RequestTimeTooSkewed", "InternalError",
                     "ServiceUnavailable", "Throttling", "ThrottlingException", "RequestLimitExceeded",
                     "TooManyRequests", "BadDigest", "IncompleteBody"}
@@ -122,6 +132,10 @@ class S3Backend(ObjectBackend):
         connect_timeout_s, read_timeout_s: socket timeouts handed to botocore.
         body_idle_timeout_s: longest silence in a GET response once it began (direct reads: headers
             too) before the attempt is abandoned and retried on a fresh connection.
+        first_byte_timeout_s: longest wait for a ranged GET's first response byte (its status
+            line) before the attempt is abandoned and retried.
+        hedge_reads: send a second identical GET when a ranged GET's first byte is later than
+            the p99 of recent GETs (``hedge.py``).
         retry: retry policy (attempts, backoff, per-attempt timeout).
         breaker_threshold, breaker_cooldown_s: circuit breaker settings.
         create_bucket: create the bucket at ``open()`` if it does not exist (tests, benches).
@@ -136,7 +150,8 @@ class S3Backend(ObjectBackend):
                  connect_timeout_s: float = 5.0, read_timeout_s: float = 30.0,
                  retry: RetryPolicy | None = None, breaker_threshold: int = 5,
                  breaker_cooldown_s: float = 5.0, create_bucket: bool = False,
-                 body_idle_timeout_s: float = DEFAULT_BODY_IDLE_TIMEOUT_S, direct_reads: bool = True) -> None:
+                 body_idle_timeout_s: float = DEFAULT_BODY_IDLE_TIMEOUT_S, direct_reads: bool = True,
+                 first_byte_timeout_s: float = DEFAULT_FIRST_BYTE_TIMEOUT_S, hedge_reads: bool = True) -> None:
         super().__init__()
         if not bucket:
             raise ConfigError("S3Backend.bucket must be set")
@@ -144,8 +159,8 @@ class S3Backend(ObjectBackend):
             raise ConfigError(f"S3Backend.part_bytes must be >= {MIN_PART_BYTES}, got {part_bytes}")
         if max_concurrency < 1 or read_concurrency < 1:
             raise ConfigError("S3Backend.max_concurrency and read_concurrency must be >= 1")
-        if body_idle_timeout_s <= 0:
-            raise ConfigError("S3Backend.body_idle_timeout_s must be positive")
+        if body_idle_timeout_s <= 0 or first_byte_timeout_s <= 0:
+            raise ConfigError("S3Backend.body_idle_timeout_s and first_byte_timeout_s must be positive")
         if addressing_style not in ("path", "virtual", "auto"):
             raise ConfigError(f"S3Backend.addressing_style must be path|virtual|auto, got {addressing_style!r}")
         if (access_key is None) != (secret_key is None):
@@ -166,6 +181,10 @@ class S3Backend(ObjectBackend):
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.body_idle_timeout_s = body_idle_timeout_s
+        self.first_byte_timeout_s = first_byte_timeout_s
+        self.latency = GetLatency()  # the backend's loop only
+        self.hedger = Hedger(self.latency, self.stats, max_in_flight=read_concurrency // HEDGE_SHARE,
+                             first_byte_timeout_s=first_byte_timeout_s, enabled=hedge_reads)
         self.retry = retry or RetryPolicy()
         self.breaker = CircuitBreaker(breaker_threshold, breaker_cooldown_s)
         self.create_bucket = create_bucket
@@ -209,7 +228,8 @@ class S3Backend(ObjectBackend):
         if self.direct_reads:
             self._direct = DirectRangeReader(self._client, self.bucket, connect_timeout_s=self.connect_timeout_s,
                                              read_timeout_s=self.read_timeout_s,
-                                             body_idle_timeout_s=self.body_idle_timeout_s, verify_tls=self.verify_tls)
+                                             body_idle_timeout_s=self.body_idle_timeout_s, verify_tls=self.verify_tls,
+                                             first_byte_timeout_s=self.first_byte_timeout_s)
         if self.create_bucket:
             await self._ensure_bucket()
 
@@ -382,45 +402,62 @@ class S3Backend(ObjectBackend):
             return 0 if await self.head(name) is not None else None
 
         async def attempt() -> int | None:
-            direct = self._direct
-            if direct is not None:
-                try:
-                    got = await direct.get_range(key, offset, dests)
-                    self.stats.direct_gets += 1
-                    return got
-                except DirectGetUnsupported as e:
-                    self._direct = None
-                    self.stats.direct_fallbacks += 1
-                    log.warning("%s: ranged GETs go through aiobotocore from now on: %s", self.url, e)
-                    await direct.close()
-            resp = await or_missing(self._client.get_object(Bucket=self.bucket, Key=key,
-                                                            Range=f"bytes={offset}-{offset + total - 1}"))
-            if resp is None:
-                return None
-            body = resp["Body"]
-            try:
-                if int(resp.get("ContentLength", -1)) != total:
-                    return None  # object shorter than the range
-                out = Scatter(dests)
-                while out.written < total:
-                    try:  # read() returns what has arrived, so this bounds silence, not throughput
-                        chunk = await with_timeout(body.read(min(_READ_CHUNK, total - out.written)),
-                                                   self.body_idle_timeout_s)
-                    except (asyncio.TimeoutError, TimeoutError):
-                        raise _ShortBody(f"body stalled at {out.written} of {total} bytes for "
-                                         f"{self.body_idle_timeout_s}s") from None
-                    if not chunk:
-                        raise _ShortBody(f"body ended at {out.written} of {total} bytes")
-                    out.write(chunk)
-                return total
-            finally:
-                body.close()
+            return await self.hedger.run(lambda a: self._get_once(key, offset, dests, total, a))
 
         n = await self._call(attempt, f"GET {key} [{offset}, +{total})")
         self.stats.gets += 1
         if n:
             self.stats.bytes_read += n
         return n
+
+    def expected_get_s(self, nbytes: int) -> float | None:
+        return self.latency.expected_s(nbytes)
+
+    async def _get_once(self, key: str, offset: int, dests: Sequence[memoryview], total: int,
+                        attempt: Attempt) -> int | None:
+        """One GET of the range (one attempt of a possibly hedged read): direct, else aiobotocore."""
+        direct = self._direct
+        if direct is not None:
+            try:
+                got = await direct.get_range(key, offset, dests, attempt)
+                self.stats.direct_gets += 1
+                return got
+            except DirectGetUnsupported as e:  # raised before any body byte: nothing was stored
+                if self._direct is direct:  # a hedged twin may have given up on it already
+                    self._direct = None
+                    self.stats.direct_fallbacks += 1
+                    log.warning("%s: ranged GETs go through aiobotocore from now on: %s", self.url, e)
+                await direct.close()
+        try:  # returns once the headers are in: this bounds the wait for the first byte
+            resp = await with_timeout(or_missing(self._client.get_object(
+                Bucket=self.bucket, Key=key, Range=f"bytes={offset}-{offset + total - 1}")), self.first_byte_timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            attempt.no_first_byte()
+            raise FirstByteTimeout(f"no response within {self.first_byte_timeout_s}s of the request") from None
+        attempt.first_byte()
+        if resp is None:
+            return None
+        body = resp["Body"]
+        try:
+            if int(resp.get("ContentLength", -1)) != total:
+                return None  # object shorter than the range
+            if not attempt.own():
+                raise HedgeLost("a hedged GET of the same range answered first")
+            out = Scatter(dests)
+            while out.written < total:
+                try:  # read() returns what has arrived, so this bounds silence, not throughput
+                    chunk = await with_timeout(body.read(min(_READ_CHUNK, total - out.written)),
+                                               self.body_idle_timeout_s)
+                except (asyncio.TimeoutError, TimeoutError):
+                    raise _ShortBody(f"body stalled at {out.written} of {total} bytes for "
+                                     f"{self.body_idle_timeout_s}s") from None
+                if not chunk:
+                    raise _ShortBody(f"body ended at {out.written} of {total} bytes")
+                out.write(chunk)
+            attempt.finished(total)
+            return total
+        finally:
+            body.close()  # closes (never pools) a connection whose body was not read to its end
 
     async def get_bytes(self, name: str) -> bytes | None:
         key = self._key(name)

@@ -26,7 +26,9 @@
   pread already running); the store treats them as misses. The backend's retries share that
   budget (``retry.shared_deadline``): one stuck attempt takes its share, not all of it. When
   ``read_many`` returns or raises, none of its GETs can write into the callers' buffers any more
-  (a failed read stops the rest).
+  (a failed read stops the rest). Under a restore's ``read_budget`` the read ends by the budget's
+  deadline instead when that is sooner, and a read the backend expects to take longer than the
+  time left (``expected_get_s``: recent GETs' first byte and throughput) is a miss at once.
 """
 
 from __future__ import annotations
@@ -45,7 +47,16 @@ import numpy as np
 from ...blocks.codec import verify_record
 from ...blocks.keys import BlockKey
 from ...errors import NamespaceMismatch, RecordError, TierUnavailable
-from ..base import ByteRange, ReadRequest, Tier, TierCapabilities, TierExpiry, TierUsage, check_range
+from ..base import (
+    ByteRange,
+    ReadRequest,
+    Tier,
+    TierCapabilities,
+    TierExpiry,
+    TierUsage,
+    check_range,
+    current_read_budget,
+)
 from ..segments import SegmentEntry
 from .backend import ObjectBackend
 from .catalog import Catalog, Parsed, parse_manifest
@@ -54,7 +65,7 @@ from .index import release_free_heap
 from .layout import SNAPSHOT_NAME, NamespaceView, manifest_after, ns_prefix
 from .manifest import MANIFEST_DIR, Manifest, ManifestError
 from .quarantine import new_marker, record_fails, write_marker
-from .retry import detach_deadline, shared_deadline, with_timeout
+from .retry import DeadlineReached, detach_deadline, shared_deadline, with_timeout
 from .snapshot import SnapshotError
 from .snapshot import decode as decode_snapshot
 from .snapshot import encode as encode_snapshot
@@ -418,19 +429,33 @@ class ObjectTier(ObjectWrites, Tier):
             runs.append((obj, run))
         if not runs:
             return results
+        budget = current_read_budget()
+        limit = self.read_timeout_s if budget is None else min(self.read_timeout_s, budget.deadline - time.monotonic())
+        if budget is not None and (limit <= 0 or self._expected_s(runs) > limit):
+            budget.gave_up = budget.gave_up or ("budget" if limit <= 0 else "estimate")
+            return results  # recomputing is sooner: no GET sent
         # the backend's retries share this call's budget: a silent connection costs one attempt's share
-        with shared_deadline(self.read_timeout_s):
+        with shared_deadline(limit):
             tasks = [asyncio.ensure_future(self._read_run(o, run, results)) for o, run in runs]
             try:
-                await with_timeout(asyncio.gather(*tasks), self.read_timeout_s)
+                await with_timeout(asyncio.gather(*tasks), limit)
             except BaseException as e:
                 # The runs scatter into the callers' buffers, which the caller reuses once we raise:
                 # stop every run and wait until none of them can write any more.
                 await _cancel_and_wait(tasks)
-                if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
-                    raise TierUnavailable(f"object tier read timed out after {self.read_timeout_s}s") from None
+                timed_out = isinstance(e, (asyncio.TimeoutError, TimeoutError))
+                if budget is not None and limit < self.read_timeout_s and (timed_out or isinstance(e, DeadlineReached)):
+                    budget.gave_up = "budget"
+                if timed_out:
+                    raise TierUnavailable(f"object tier read timed out after {limit:.3g}s") from None
                 raise
         return results
+
+    def _expected_s(self, runs: list[tuple[_Obj, list[_Want]]]) -> float:
+        """Expected time of ``runs`` (one GET each, ``max_concurrency`` at a time); 0 when unknown."""
+        longest = max(sum(w.length for w in run) for _, run in runs)
+        one = self.root_backend.expected_get_s(longest)
+        return 0.0 if one is None else one * -(-len(runs) // self.max_concurrency)
 
     async def _read_run(self, obj: _Obj, run: list[_Want], results: list[int | None]) -> None:
         async with self._sem:
