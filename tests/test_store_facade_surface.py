@@ -60,7 +60,7 @@ def test_the_moved_members_answer_on_their_parts(store: TieredStore) -> None:
     writer, retention = store.writer, store.retention
     assert writer.pending_offloads == 0 and writer.max_pending_offloads == 64
     assert writer.bookkeeping() == {"retention_host": 3, "admission_keys": 3, "loop_tasks": 0,
-                                    "pending_offloads": 0}
+                                    "pending_offloads": 0, "saves_in_flight": 0}
     assert retention.retention_of(0) is host.retention
     assert retention.clock() == 1_000.0 and retention.expire_passes == 0
     assert retention.prefetch_stats == PrefetchStats()

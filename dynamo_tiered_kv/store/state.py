@@ -13,6 +13,10 @@ Threads and ownership
 * ``condemned`` (records that failed verification, until their delete is done): marked by the
   loading thread (``condemn``), cleared by the loop; single dict operations only (atomic under
   the GIL).
+* ``saving`` (offload saves accepted and not yet finished, per tier and key): claimed by engine
+  threads (``claim_saves``), released by the loop when that tier's write returned or failed
+  (``release_saves``), dropped by ``condemn``; behind ``saving_lock``. Its size is bounded by the
+  pending batches: at most ``max_pending`` slabs' worth of keys per written tier.
 * ``residency``: replaced whole by the store's ``set_residency``; read anywhere.
 * ``closed``: set once by the store's close (under its lock); read anywhere.
 """
@@ -52,6 +56,10 @@ class StoreState:
         #: (tier, key) of records that failed verification whose delete is not done: gone for
         #: lookups, loads and offloads at once; set when the delete is done (``condemn``)
         self.condemned: dict[tuple[int, BlockKey], asyncio.Event] = {}
+        #: (tier, key) -> the claim of the save in flight (``claim_saves``): a second save of a
+        #: key to a tier is skipped while the first has not finished
+        self.saving: dict[tuple[int, BlockKey], object] = {}
+        self.saving_lock = threading.Lock()
         self.tasks: set[asyncio.Task] = set()
         self.bg_tasks: list[asyncio.Task] = []
         #: typical record size, for blocks retained before they are written (the writer sets it)
@@ -127,6 +135,36 @@ class StoreState:
         if listener is not None and medium is not None and keys:
             notify(listener.stored if stored else listener.removed, medium, keys)
 
+    # --- saves in flight -----------------------------------------------------------------------
+    def claim_saves(self, wanted: Sequence[tuple[int, BlockKey]], claim: object) -> list[bool]:
+        """Claim a save of each ``(tier, key)`` for ``claim`` (any thread; engine threads).
+
+        Returns, per pair, True when claimed now, False when a save of that key to that tier is
+        in flight already (claimed earlier, or earlier in ``wanted``): that save will store it, so
+        writing it again would only store a second copy the tier then discards. The caller
+        releases what it claimed with ``release_saves`` once the write returned, failed or was
+        dropped, so a key whose save failed is saved by the next offload.
+        """
+        out: list[bool] = []
+        with self.saving_lock:
+            saving = self.saving
+            for pair in wanted:
+                if pair in saving:
+                    out.append(False)
+                else:
+                    saving[pair] = claim
+                    out.append(True)
+        return out
+
+    def release_saves(self, ti: int, keys: Sequence[BlockKey], claim: object) -> None:
+        """End ``claim``'s saves of ``keys`` to tier ``ti`` (any thread). A pair claimed anew
+        meanwhile (after a ``condemn``) belongs to the newer save and is left alone."""
+        with self.saving_lock:
+            saving = self.saving
+            for key in keys:
+                if saving.get((ti, key)) is claim:
+                    del saving[(ti, key)]
+
     def condemn(self, ti: int, key: BlockKey) -> None:
         """Tier ``ti``'s record of ``key`` failed verification (loading thread): from now on it is
         gone for lookups and offloads, and the loop deletes it.
@@ -135,7 +173,13 @@ class StoreState:
         the failed load: were the record still held then, the save would be skipped as a duplicate
         and the delete would then leave the block stored nowhere. The fresh copy's write waits for
         the delete (the writer's ``write_tier``), so the delete never removes it.
+
+        The save in flight of ``key`` to that tier, if any, no longer stands for the block: it may
+        have passed its wait for deletes already and be deleted with the corrupt record. Its claim
+        is dropped, so the fresh copy is saved (and waits for the delete) rather than skipped.
         """
+        with self.saving_lock:
+            self.saving.pop((ti, key), None)
         done = asyncio.Event()
         if self.condemned.setdefault((ti, key), done) is done:  # once per record until deleted
             self.schedule(self._forget(ti, key, done))

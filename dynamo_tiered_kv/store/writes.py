@@ -1,10 +1,11 @@
 """The offload path of ``TieredStore`` (``OffloadWriter``, the store's writer): engine blocks into staging on
 the engine's thread, then into the tiers on the store's loop.
 
-* ``submit_offload`` never waits: the per-block target tiers (written tiers that lack the block
-  and admit it), a staging slab taken without waiting, the blocks gathered and encoded into it
-  (on the device for GPU-direct tiers; a CUDA engine's checksums are left to the writer,
-  ``deferred_encode``), the slab handed to the loop. Every drop is counted by its reason.
+* ``submit_offload`` never waits: the per-block target tiers (written tiers that lack the block,
+  admit it and have no save of it in flight: ``StoreState.claim_saves``), a staging slab taken
+  without waiting, the blocks gathered and encoded into it (on the device for GPU-direct tiers;
+  a CUDA engine's checksums are left to the writer, ``deferred_encode``), the slab handed to the
+  loop. Every drop is counted by its reason; every save skipped because one is in flight too.
 * ``write_slab`` / ``write_tier`` (loop thread): each tier gets its records as one
   ``write_many``; what a tier kept is tracked for TTL and reported to the residency listener.
 * The slab choice: a device slab when every target tier moves records GPU-direct, else a host
@@ -47,8 +48,9 @@ class OffloadWriter:
     Built by ``TieredStore`` with the shared ``StoreState`` (tiers, metrics, pending count, TTL
     tracking, condemned records), the staging pools and the admission policy. Threads: engine
     threads call ``submit_offload`` (``admission`` has its own lock; the pending count is behind
-    the state's lock); the loop runs ``write_slab``/``write_tier``; ``acquire``/``release`` run on
-    any thread (the pools have their own locks).
+    the state's lock, the saves in flight behind its ``saving_lock``); the loop runs
+    ``write_slab``/``write_tier``; ``acquire``/``release`` run on any thread (the pools have
+    their own locks).
     """
 
     def __init__(self, state: StoreState, staging: StagingPool, device_staging: DeviceStagingPool | None,
@@ -84,31 +86,41 @@ class OffloadWriter:
             return False
         if first_index + len(block_ids) < self.admission.min_prefix_blocks:
             return True  # too short to be worth storing: not an error, not a drop
-        # Per block: the written tiers that lack it and admit it.
-        todo: list[tuple[int, list[int]]] = []
-        for i, k in enumerate(keys):
+        # Per block: the written tiers that lack it, admit it and have no save of it in flight.
+        wanted: list[tuple[int, BlockKey]] = []
+        for k in keys:
             seen = self.admission.sight(k)
-            targets = [ti for ti in range(self.write_depth)
+            wanted += [(ti, k) for ti in range(self.write_depth)
                        if not self._state.holds(ti, k) and self.admits(ti, seen)]
-            if targets:
-                todo.append((i, targets))
-        if not todo:
+        if not wanted:
             return True
         rb = record_bytes(layout.shape)
-        self._state.record_nbytes = rb  # for blocks retained before they are written
         per_slab = self.slab_bytes(layout) // rb
         if per_slab == 0:
             self.metrics.offload_dropped.labels("too_large").inc()
             return False
+        claim = object()  # this call's saves (``StoreState.claim_saves``)
+        by_block: dict[BlockKey, list[int]] = {}
+        for (ti, k), mine in zip(wanted, self._state.claim_saves(wanted, claim), strict=True):
+            if mine:
+                by_block.setdefault(k, []).append(ti)
+            else:  # its first save has not finished: it will store the block
+                self.metrics.offload_inflight_skips.labels(self.tiers[ti].name).inc()
+        todo = [(i, by_block.pop(k)) for i, k in enumerate(keys) if k in by_block]
+        if not todo:
+            return True
+        self._state.record_nbytes = rb  # for blocks retained before they are written
         accepted_all = True
         for c in range(0, len(todo), per_slab):
             chunk = todo[c:c + per_slab]
             if not self._state.reserve_pending():
+                self._release_claims(todo[c:], keys, claim)
                 self.metrics.offload_dropped.labels("queue_full").inc()
                 return False
             slab = self.acquire(layout, {ti for _, targets in chunk for ti in targets}, 0)
             if slab is None:
                 self._state.finish_pending()
+                self._release_claims(todo[c:], keys, claim)
                 self.metrics.offload_dropped.labels("no_staging").inc()
                 return False
             seal: Seal | None = None
@@ -124,14 +136,25 @@ class OffloadWriter:
             except Exception:
                 self.release(slab)
                 self._state.finish_pending()
+                self._release_claims(chunk, keys, claim)
                 log.exception("encoding blocks for offload failed; batch dropped")
                 self.metrics.offload_dropped.labels("encode_error").inc()
                 accepted_all = False
                 continue
             plan = [(j, keys[i], targets) for j, (i, targets) in enumerate(chunk)]
             self.metrics.offload_blocks.inc(len(plan))
-            self._state.schedule(self.write_slab(slab, rb, plan, seal), reserved=True)
+            self._state.schedule(self.write_slab(slab, rb, plan, seal, claim=claim), reserved=True)
         return accepted_all
+
+    def _release_claims(self, todo: Sequence[tuple[int, Sequence[int]]], keys: Sequence[BlockKey],
+                        claim: object) -> None:
+        """End ``claim``'s saves of blocks ``todo = [(index in keys, tiers)]`` that were dropped."""
+        by_tier: dict[int, list[BlockKey]] = {}
+        for i, targets in todo:
+            for ti in targets:
+                by_tier.setdefault(ti, []).append(keys[i])
+        for ti, tier_keys in by_tier.items():
+            self._state.release_saves(ti, tier_keys, claim)
 
     # --- what is queued, and the sizes of the maps offloads fill ----------------------------------
     @property
@@ -146,12 +169,14 @@ class OffloadWriter:
 
     def bookkeeping(self) -> dict[str, int]:
         """Sizes of the store's own maps (for soak tests and leak hunting): retention entries per
-        tier, admission sightings, tasks on the loop, offload batches pending. Any thread (sizes
-        read without the maps' locks: a snapshot, not a consistent cut)."""
+        tier, admission sightings, tasks on the loop, offload batches pending, block saves in flight
+        (tier and key pairs). Any thread (sizes read without the maps' locks: a snapshot, not a
+        consistent cut)."""
         out = {f"retention_{t.name}": len(r) for t, r in zip(self.tiers, self._state.ttl)}
         out["admission_keys"] = len(self.admission)
         out["loop_tasks"] = len(self._state.tasks)
         out["pending_offloads"] = self._state.pending
+        out["saves_in_flight"] = len(self._state.saving)
         return out
 
     # --- slabs: host staging, or device staging for GPU-direct tiers ---------------------------
@@ -189,9 +214,14 @@ class OffloadWriter:
         return self.admission.admits(self.tiers[ti].capabilities.medium, sightings)
 
     async def write_slab(self, slab: Slab | DeviceSlab, rb: int,
-                          plan: Sequence[tuple[int, BlockKey, Sequence[int]]], seal: Seal | None = None) -> None:
+                          plan: Sequence[tuple[int, BlockKey, Sequence[int]]], seal: Seal | None = None, *,
+                          claim: object | None = None) -> None:
         """Write records ``plan = [(slot in slab, key, tier indexes)]`` in order, then free the slab.
-        ``seal``: the second half of their encoding (``deferred_encode``), run first off the loop."""
+        ``seal``: the second half of their encoding (``deferred_encode``), run first off the loop.
+        ``claim``: the offload's claim on these saves (``StoreState.claim_saves``), released per
+        tier as soon as that tier's write returned or failed, and for every tier if the batch is
+        dropped or cancelled."""
+        released: set[int] = set()  # tiers whose saves of this batch ended
         try:
             if seal is not None:
                 try:
@@ -206,9 +236,17 @@ class OffloadWriter:
                 for ti in targets:
                     by_tier.setdefault(ti, []).append((key, view))
             for ti in sorted(by_tier):
-                await self.write_tier(ti, by_tier[ti])
+                try:
+                    await self.write_tier(ti, by_tier[ti])
+                finally:  # written (the tier holds them now) or failed (the next offload saves them)
+                    if claim is not None:
+                        self._state.release_saves(ti, [key for key, _ in by_tier[ti]], claim)
+                        released.add(ti)
         finally:
             self.release(slab)
+            if claim is not None:  # ended early (encoding failed, cancelled): its other saves are off too
+                for ti in {ti for _, _, targets in plan for ti in targets} - released:
+                    self._state.release_saves(ti, [key for _, key, targets in plan if ti in targets], claim)
 
     async def write_tier(self, ti: int, items: list[tuple[BlockKey, memoryview | DeviceSpan]]) -> None:
         tier = self.tiers[ti]
