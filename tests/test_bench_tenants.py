@@ -50,6 +50,8 @@ def test_flood_runs_the_four_configurations(quick: tuple[dict[str, Any], str, st
     host = flooder["tiers"]["host"]
     assert host["limit"] < host["capacity"] and host["bytes"] <= host["limit"]  # the host quota holds it
     assert 0 < host["retained"] <= host["limit"]  # it retained, within its own share
+    tiers = res["runs"]["quotas-on-flood"]["tiers"]
+    assert set(tiers) == {"host", "ssd", "object"} and tiers["host"]["capacity"] == plan["capacities"]["host"]
     # without quotas the flood costs the others hits: the baseline shows the problem
     assert min(res["ratios"]["off"].values()) < 0.95
     goal = res["goal"]

@@ -132,6 +132,9 @@ def _flood_tables(res: dict[str, Any]) -> list[str]:
             f"worst ratio {'-' if worst is None else f'{worst:.3f}'} (target >= {goal['target']:.2f}): "
             f"{'met' if goal['met'] else 'MISSED'}")
     drops = ", ".join(f"{k} {v['dropped_batches']}" for k, v in runs.items())
+    held = "; ".join(f"quotas {q}: " + ", ".join(
+        f"{n} {_mib(u['bytes'])} of {_mib(u['capacity'])} MiB" for n, u in runs[f"quotas-{q}-flood"]["tiers"].items())
+        for q in ("on", "off"))
     return [table(["quotas", "tenant", "WS MiB", "hit alone", "hit flooded", "ratio", "hits by tier (flooded)"],
                   hit_rows, title=title, fmts=["", "", ".1f", ".3f", ".3f", ".3f", ""]),
             line,
@@ -139,6 +142,7 @@ def _flood_tables(res: dict[str, Any]) -> list[str]:
                   tier_rows, title="flooded runs at the end: bytes held per tier against the tenant's limit "
                   "('-': the tier does not account by tenant), and retained bytes",
                   fmts=["", "", *[""] * len(names), *[".1f"] * len(names)]),
+            f"record bytes held at the end of the flooded runs, all tenants: {held}",
             f"offload batches dropped after retries: {drops}"]
 
 

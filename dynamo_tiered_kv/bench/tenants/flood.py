@@ -229,6 +229,12 @@ def _tier_row(tier: Any, tid: bytes) -> dict[str, Any]:
             "retained": tier.retention.tenant_protected_bytes().get(h, 0)}
 
 
+def _usage(tier: Any) -> dict[str, int]:
+    """Record bytes and blocks ``tier`` holds, all tenants together, against its capacity."""
+    u = tier.usage()
+    return {"capacity": u.capacity_bytes, "bytes": u.used_bytes, "blocks": u.num_blocks}
+
+
 def _config(plan: FloodPlan, root: str, quotas: bool, args: argparse.Namespace, tag: str) -> TieredKVConfig:
     caps = plan.capacities
     cfg: dict[str, Any] = {
@@ -272,10 +278,11 @@ def run_flood(args: argparse.Namespace, root: str) -> dict[str, Any]:
                 run.play(flooder)
                 tenants = run.result(flooder)
                 dropped = run.dropped
+                used = {t.name: _usage(t) for t in store.tiers}
             finally:
                 store.close()
             runs[tag] = {"quotas": quotas, "flooder": flooder, "tenants": tenants, "dropped_batches": dropped,
-                         "seconds": time.perf_counter() - t0}
+                         "tiers": used, "seconds": time.perf_counter() - t0}
             progress("tenants", f"flood: {tag} in {runs[tag]['seconds']:.1f} s: hit rates "
                      + " ".join(f"{t['hit_rate']:.3f}" for t in tenants if not t["flooder"]))
     return {"plan": {"tenants": list(plan.names), "sessions": list(plan.sessions), "blocks": plan.blocks,
