@@ -165,6 +165,46 @@ class TierConformanceTests:
             await tier.write(k, memoryview(v))
         assert {k for k, _ in items} <= set(tier.keys())
 
+    async def test_tenant_usage_counts_each_tenants_records(self, tmp_path: Path) -> None:
+        """``tenant_usage`` (where the tier accounts by tenant) counts exactly the bytes and blocks
+        of each tenant's records after writes, an overwrite by another tenant, deletes and, for a
+        durable tier, a reopen."""
+        t = await self.make_tier(tmp_path / "tenants", self.capacity_bytes)
+        await t.open()
+        if t.tenant_usage() is None:
+            await t.close()
+            pytest.skip("tier does not account by tenant")
+        tenants = [bytes([n]) * 8 for n in (1, 2, 3)]
+        model: dict[bytes, tuple[bytes, int]] = {}  # key -> (tenant, record bytes)
+
+        async def write(i: int, tenant: bytes, size_class: int) -> None:
+            key = random_key(600 + i)
+            rec = make_record(key, i, shape=SHAPES[size_class % len(SHAPES)], tenant=tenant)
+            await t.write(key, memoryview(rec))
+            model[key] = (tenant, len(rec))
+
+        def expected() -> dict[bytes, tuple[int, int]]:
+            out: dict[bytes, tuple[int, int]] = {}
+            for tenant, n in model.values():
+                b, c = out.get(tenant, (0, 0))
+                out[tenant] = (b + n, c + 1)
+            return out
+
+        try:
+            for i in range(12):
+                await write(i, tenants[i % 3], i)
+            assert t.tenant_usage() == expected()
+            await write(0, tenants[2], 2)  # the key of tenant 1's record now holds tenant 3's
+            for i in (1, 4, 5):
+                assert await t.delete(random_key(600 + i)) is True
+                del model[random_key(600 + i)]
+            assert t.tenant_usage() == expected()
+            if t.capabilities.durable:
+                t = await self.reopen_tier(t, tmp_path / "tenants", self.capacity_bytes)
+                assert t.tenant_usage() == expected()
+        finally:
+            await t.close()
+
     async def test_concurrent_writes_and_reads(self, tier: Tier) -> None:
         items = [_rec(300 + i, size_class=i) for i in range(16)]
         await asyncio.gather(*(tier.write(k, memoryview(v)) for k, v in items))

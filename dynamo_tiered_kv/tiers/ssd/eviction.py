@@ -1,4 +1,6 @@
-"""Capacity enforcement of the SSD tier: evict whole sealed segments, least recently used first.
+"""Capacity enforcement of the SSD tier: evict whole sealed segments, least recently used first;
+with tenant quotas, a tenant's own segments for its quota, and never a segment of a tenant
+within its quota for another tenant's writes while some tenant is over its quota.
 
 Retention classes (``retention``) rank segments before recency: a segment holding a protected
 block ranks at its highest protected priority, one holding an expired retained block (and no
@@ -168,26 +170,28 @@ class Evictor:
         allow = self._allow_unflushed if self._allow_unflushed is not None else not self._state.flusher_attached
         return seg.sealed and not seg.dead and seg.pins == 0 and (seg.flushed or allow)
 
-    def make_room(self, need: int) -> None:
-        """Evict least recently used segments until ``need`` more bytes fit the budget.
+    def make_room(self, need: int, tenant: bytes | None = None) -> None:
+        """Evict segments until ``need`` more bytes fit the budget and, with quotas, the quota of
+        ``tenant`` (the tenant whose records are about to be appended).
 
-        Raises ``TierFull`` when evicting every evictable segment would not make room. The lock
-        is held only to pick a victim and to drop its index entries, never across the footer
-        read or the unlink, so lookups (``contains`` on the scheduler's hot path) never wait on
-        the disk.
+        With quotas, a tenant whose charge would pass its limit evicts its own segments first
+        (``_own_victim_locked``); then, while the tier is full, tenants over their limit lose
+        segments before the writer itself, and a segment holding live records of any other
+        tenant within its limit is never taken while a tenant is over its limit
+        (``_victim_locked``; the guarantee: docs/SSD.md section 8).
+
+        Raises ``TierFull`` when no allowed eviction would make room. The lock is held only to
+        pick a victim and to drop its index entries, never across the footer read or the
+        unlink, so lookups (``contains`` on the scheduler's hot path) never wait on the disk.
         """
         st = self._state
         while True:
             with st.lock:
-                if st.used + need <= st.capacity:
-                    return
-                victims = [s for s in st.segments.values() if self.evictable(s)]
-                if not victims or st.used - sum(s.size for s in victims) + need > st.capacity:
-                    raise TierFull(f"SSD tier needs {need} bytes, holds {st.used} of {st.capacity}, and "
-                                   "evicting every evictable segment (sealed, not pinned, flushed or allowed "
-                                   "unflushed) would not make room")
-                ranks = self._segment_ranks_locked()
-                victim = min(victims, key=lambda s: (ranks.get(s.seq, 0), s.last_used))
+                victim = self._own_victim_locked(need, tenant) if tenant is not None else None
+                if victim is None:
+                    if st.used + need <= st.capacity:
+                        return
+                    victim = self._victim_locked(need, tenant)
             footer = read_footer_at(victim.path, victim.size)
             with st.lock:
                 if not self.evictable(victim):  # the flusher pinned it meanwhile: pick again
@@ -198,6 +202,47 @@ class Evictor:
             metrics.EVICTED_SEGMENTS.inc()
             metrics.USED_BYTES.set(st.used)
             self._report_evicted(gone)
+
+    def _own_victim_locked(self, need: int, tenant: bytes) -> SegmentState | None:
+        """With quotas: ``tenant``'s own least valuable segment when its charge plus ``need``
+        passes its limit (None when it fits, or without quotas)."""
+        acc = self._state.tenants
+        limit = acc.limit(tenant)
+        if limit is None:
+            return None
+        charge = acc.charge_locked(tenant)
+        if charge + need <= limit:
+            return None
+        own = [s for s in acc.segments_of_locked(tenant)
+               if self.evictable(s) and s.owner == tenant and all(t == tenant for t in s.tenants)]
+        if not own:
+            raise TierFull(f"SSD tier: tenant {tenant.hex()} is charged {charge} of its {limit}-byte quota, needs "
+                           f"{need} more, and none of its segments can be evicted (sealed, not pinned, flushed "
+                           "or allowed unflushed)")
+        ranks = self._segment_ranks_locked()
+        return min(own, key=lambda s: (ranks.get(s.seq, 0), s.last_used))
+
+    def _victim_locked(self, need: int, tenant: bytes | None) -> SegmentState:
+        """The segment to evict for capacity: by retention rank, then least recently used; with
+        quotas and a tenant over its limit, only segments whose live records are all of tenants
+        over their limit (first) or of the writer ``tenant`` (next)."""
+        st = self._state
+        victims = [s for s in st.segments.values() if self.evictable(s)]
+        if not victims or st.used - sum(s.size for s in victims) + need > st.capacity:
+            raise TierFull(f"SSD tier needs {need} bytes, holds {st.used} of {st.capacity}, and "
+                           "evicting every evictable segment (sealed, not pinned, flushed or allowed "
+                           "unflushed) would not make room")
+        ranks = self._segment_ranks_locked()
+        over = st.tenants.over_locked()
+        if not over:  # no quota, or no tenant over its limit (limits that add up past the capacity)
+            return min(victims, key=lambda s: (ranks.get(s.seq, 0), s.last_used))
+        allowed = [(0 if all(t in over for t in s.tenants) else 1, s) for s in victims
+                   if all(t in over or t == tenant for t in s.tenants)]
+        if not allowed:
+            raise TierFull(f"SSD tier needs {need} bytes, holds {st.used} of {st.capacity}; the tenants over "
+                           "their quota hold no evictable segment, and segments of tenants within their quota "
+                           "are not evicted for another tenant")
+        return min(allowed, key=lambda a: (a[0], ranks.get(a[1].seq, 0), a[1].last_used))[1]
 
     def _segment_ranks_locked(self) -> dict[int, int]:
         """Segment seq -> its retention rank (absent: 0). Costs one check per segment holding a
@@ -229,13 +274,11 @@ class Evictor:
         st = self._state
         if keys is None:  # cannot happen for a file we sealed; fall back to a full index sweep
             keys = list(st.index.keys())
-        gone = [key for key in keys if st.index.pop(key, only_seq=seg.seq) is not None]
+        gone = [key for key in keys if st.pop_locked(key, only_seq=seg.seq) is not None]
         cls = self._retention()
         if cls is not None:
             cls.forget(gone)
         if self._retained is not None:
             self._retained.dropped(seg.seq)
-        del st.segments[seg.seq]
-        st.used -= seg.size
-        st.retire_locked(seg)
+        st.remove_segment_locked(seg)
         return gone

@@ -2,11 +2,12 @@
 
 ``SegmentLogLifecycle.open`` takes ``flock(LOCK_EX | LOCK_NB)`` on ``rank-NNN/LOCK``, picks the
 I/O path, probes GPUDirect (once per filesystem) and the GPU-direct link, recovers every segment
-(``recovery.recover_segments``), rebuilds the index newest location first with the tombstone
-log applied, and writes the tombstones a crash left out (a superseded copy that would otherwise
-come back). It never raises for environmental faults: the tier is disabled (``disabled_reason``,
-``dtkv_ssd_disabled``) and serves nothing. ``close`` seals the open segment, forgets every
-segment and releases the lock. Crash contract: docs/SSD.md section 4; concurrency rule: section 5.
+(``recovery.recover_segments``), rebuilds the index (with each record's tenant, for the tenant
+ledger) newest location first with the tombstone log applied, and writes the tombstones a crash
+left out (a superseded copy that would otherwise come back). It never raises for environmental
+faults: the tier is disabled (``disabled_reason``, ``dtkv_ssd_disabled``) and serves nothing.
+``close`` seals the open segment, forgets every segment and releases the lock. Crash contract:
+docs/SSD.md section 4; concurrency rule: section 5.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import fcntl
 import logging
 import os
 
+from ...blocks.tenant import DEFAULT_TENANT
 from ...errors import TierUnavailable
 from . import metrics
 from .gds_probe import GdsVerdict, gds_verdict
@@ -117,19 +119,21 @@ class SegmentLogLifecycle:
                 continue
             seg = SegmentState(r.seq, r.path, fd, r.data_bytes, r.size, sealed=True,
                                flushed=r.flushed, sealed_at=r.sealed_at_ns / 1e9, last_used=st.next_tick())
-            st.segments[r.seq] = seg
-            st.used += r.size
+            entries = list(zip(r.entries["key"].tolist(), r.entries["offset"].tolist(),
+                               r.entries["length"].tolist(), r.tenants))
+            # the owner (charged the footer and dead bytes): the tenant of its first live record
+            owner = next((t for _, off, _, t in entries if (r.seq, off) not in dead), DEFAULT_TENANT)
+            st.add_segment_locked(seg, owner)  # (no reader yet: the lock is not needed while opening)
             if r.seal_error and st.readonly_reason is None:
                 st.readonly_reason = f"cannot seal recovered {r.path.name}: {r.seal_error}"
                 metrics.DEGRADED.labels("recovery").inc()
-            for key, off, length in zip(r.entries["key"].tolist(), r.entries["offset"].tolist(),
-                                        r.entries["length"].tolist()):
+            for key, off, length, tenant in entries:
                 # Entries arrive in write order, so the newest location decides: a tombstone on
                 # it means the key was deleted after every older copy was written.
                 if (r.seq, off) in dead:
-                    st.index.pop(key)
+                    st.pop_locked(key)
                 else:
-                    old = st.index.put(key, r.seq, off, length)
+                    old = st.put_locked(key, seg, off, length, tenant)
                     if old is not None:  # a crash beat the overwrite's tombstone: write it now,
                         superseded.append((old[0], old[1], key))  # or evicting the new copy revives this one
         self._reclaimer.note_empty_segments(r.seq for r in recovered)

@@ -224,7 +224,7 @@ class ReadPath:
             log.warning("SSD record %s failed verification (%s); dropped", req.key.hex(), e)
             metrics.CHECKSUM_FAILURES.inc()
             with self._state.lock:
-                self._state.index.pop(req.key)
+                self._state.pop_locked(req.key)
             return False
 
     def _take_bounce(self) -> np.ndarray:

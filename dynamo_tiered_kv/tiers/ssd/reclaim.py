@@ -98,9 +98,9 @@ class Reclaimer:
         locs = []
         with st.lock:
             for key in keys:
-                loc = st.index.pop(key)
-                if loc is not None:
-                    locs.append((loc, key))
+                e = st.pop_locked(key)
+                if e is not None:
+                    locs.append((e[:3], key))
         if locs and self._tombstones.append([(s, o, k) for (s, o, _), k in locs]):
             self.note_dead(loc for loc, _ in locs)
         self.reclaim()  # also what an earlier batch had to defer

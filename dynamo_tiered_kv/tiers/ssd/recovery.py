@@ -9,6 +9,13 @@ truncated; any older segment was sealed once, so nothing of it is cut and its fo
 after everything the file holds. Damage is logged and counted (``dtkv_ssd_damaged_records``).
 A segment that cannot be opened or read is quarantined (``quarantine.py``), not fatal.
 Tombstones then hide dead locations.
+
+Each record's tenant (its header's tenant field, for the tenant ledger) comes from the scan, or,
+for a segment trusted through its footer, from the headers themselves: one read of the first
+record that is still there when the footer says the segment holds one tenant (``ONE_TENANT``),
+one read of 8 bytes per record otherwise (segments sealed before the flag existed, and segments
+holding several tenants). A punched (deleted) record reads as zeros and is named the default
+tenant; its tombstone keeps it out of the index anyway.
 """
 
 from __future__ import annotations
@@ -23,13 +30,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ...blocks.codec import ALIGN, MAGIC, align_up, decode_header, verify_record
+from ...blocks.codec import ALIGN, MAGIC, align_up, decode_header, record_tenant, verify_record
+from ...blocks.tenant import DEFAULT_TENANT
 from ...errors import RecordError
 from .._fileio import fsync_dir
 from . import metrics
 from .quarantine import is_regular, open_regular, quarantine, read_regular
 from .segment import (
     ENTRY_DTYPE,
+    ONE_TENANT,
     TOMBSTONE,
     TOMBSTONE_FILE,
     Footer,
@@ -43,7 +52,7 @@ from .tombstones import kept_entries, remove_stale_tmp, write_log
 log = logging.getLogger(__name__)
 _MAX_HEADER = 1 << 20
 
-__all__ = ["RecoveredSegment", "ScanResult", "fsync_dir", "load_tombstones", "newest_segment",
+__all__ = ["RecoveredSegment", "ScanResult", "entry_tenants", "fsync_dir", "load_tombstones", "newest_segment",
            "recover_segments", "scan_records", "seal_file"]
 
 
@@ -56,6 +65,7 @@ class RecoveredSegment:
     sealed_at_ns: int
     entries: np.ndarray  # ENTRY_DTYPE
     flushed: bool
+    tenants: list[bytes]  # the tenant of each entry
     truncated_bytes: int = 0  # torn tail removed by this recovery
     seal_error: str | None = None  # the footer could not be written (full or read-only disk)
 
@@ -63,30 +73,31 @@ class RecoveredSegment:
 @dataclass
 class ScanResult:
     entries: list[tuple[bytes, int, int]] = field(default_factory=list)  # (key, offset, length), file order
+    tenants: list[bytes] = field(default_factory=list)  # the tenant of each entry
     damaged: list[tuple[int, int, str]] = field(default_factory=list)  # (offset, length, why) between valid records
     end: int = 0  # end of the last valid record
     tail_why: str | None = None  # why the bytes from ``end`` on are not records (None: ``end`` is the file size)
 
 
-def _record_at(fd: int, off: int, size: int) -> tuple[bytes | None, int, str]:
-    """(key, length, "") of the valid record at ``off``, else (None, bytes to skip, why)."""
+def _record_at(fd: int, off: int, size: int) -> tuple[bytes | None, int, str, bytes]:
+    """(key, length, "", tenant) of the valid record at ``off``, else (None, bytes to skip, why, _)."""
     head = os.pread(fd, ALIGN, off)
     if head[:8] != MAGIC:
-        return None, ALIGN, f"no record at offset {off}"
+        return None, ALIGN, f"no record at offset {off}", DEFAULT_TENANT
     try:
         (hb,) = struct.unpack_from("<I", head, 12)
         if ALIGN < hb <= _MAX_HEADER:
             head = os.pread(fd, hb, off)
         hdr = decode_header(head)
     except (RecordError, struct.error) as e:
-        return None, ALIGN, f"bad header at offset {off}: {e}"
+        return None, ALIGN, f"bad header at offset {off}: {e}", DEFAULT_TENANT
     if off + hdr.record_bytes > size:
-        return None, ALIGN, f"record at offset {off} ends past the file (torn)"
+        return None, ALIGN, f"record at offset {off} ends past the file (torn)", DEFAULT_TENANT
     try:
         verify_record(os.pread(fd, hdr.record_bytes, off))
     except RecordError as e:  # the header checksum passed, so its length is trustworthy: skip it whole
-        return None, hdr.record_bytes, f"record at offset {off}: {type(e).__name__}: {e}"
-    return hdr.key, hdr.record_bytes, ""
+        return None, hdr.record_bytes, f"record at offset {off}: {type(e).__name__}: {e}", DEFAULT_TENANT
+    return hdr.key, hdr.record_bytes, "", hdr.tenant
 
 
 def scan_records(fd: int, size: int) -> ScanResult:
@@ -95,7 +106,7 @@ def scan_records(fd: int, size: int) -> ScanResult:
     off = 0
     bad: tuple[int, str] | None = None  # start and reason of the damaged run being skipped
     while off + ALIGN <= size:
-        key, n, why = _record_at(fd, off, size)
+        key, n, why, tenant = _record_at(fd, off, size)
         if key is None:
             bad = bad or (off, why)
             off += n
@@ -104,6 +115,7 @@ def scan_records(fd: int, size: int) -> ScanResult:
             r.damaged.append((bad[0], off - bad[0], bad[1]))
             bad = None
         r.entries.append((key, off, n))
+        r.tenants.append(tenant)
         off += n
         r.end = off
     if bad is not None:
@@ -119,15 +131,32 @@ def newest_segment(rank_dir: Path) -> int | None:
     return regular[-1] if regular else None
 
 
-def seal_file(fd: int, rank: int, seq: int, entries: list[tuple[bytes, int, int]], data_bytes: int) -> Footer:
+def seal_file(fd: int, rank: int, seq: int, entries: list[tuple[bytes, int, int]], data_bytes: int,
+              flags: int = 0) -> Footer:
     """Truncate (or extend) to ``data_bytes`` and append a footer (buffered write + fdatasync)."""
     now = time.time_ns()
     os.ftruncate(fd, data_bytes)
-    footer = build_footer(rank, seq, data_bytes, now, entries)
+    footer = build_footer(rank, seq, data_bytes, now, entries, flags=flags)
     os.pwrite(fd, footer.tobytes(), data_bytes)
     os.fdatasync(fd)
     table = np.array([(k, o, n, 0) for k, o, n in entries], dtype=ENTRY_DTYPE)
-    return Footer(rank, seq, data_bytes, now, table)
+    return Footer(rank, seq, data_bytes, now, table, flags)
+
+
+def entry_tenants(fd: int, entries: np.ndarray, one_tenant: bool) -> list[bytes]:
+    """The tenant of each footer entry, read from the records' headers (module docstring)."""
+    offsets = entries["offset"].tolist()
+    if not one_tenant:
+        return [_tenant_at(fd, off) for off in offsets]
+    for off in offsets:  # the first record still there (a deleted one may be punched to zeros)
+        head = os.pread(fd, 120, off)
+        if head[:8] == MAGIC:
+            return [record_tenant(head)] * len(offsets)
+    return [DEFAULT_TENANT] * len(offsets)
+
+
+def _tenant_at(fd: int, off: int) -> bytes:
+    return record_tenant(os.pread(fd, 120, off))
 
 
 def recover_segments(rank_dir: Path, rank: int) -> list[RecoveredSegment]:
@@ -155,7 +184,8 @@ def _recover_one(path: Path, seq: int, rank: int, *, newest: bool) -> RecoveredS
         footer = read_footer(fd, size)
         if footer is not None and footer.seq == seq:
             return RecoveredSegment(seq, path, size, footer.data_bytes, footer.sealed_at_ns, footer.entries,
-                                    flushed_marker(path).exists())
+                                    flushed_marker(path).exists(),
+                                    entry_tenants(fd, footer.entries, bool(footer.flags & ONE_TENANT)))
         scan = scan_records(fd, size)
         for off, n, why in scan.damaged:
             log.error("SSD recovery: %s: skipping %d damaged bytes at offset %d (%s); the valid records after "
@@ -184,15 +214,17 @@ def _recover_one(path: Path, seq: int, rank: int, *, newest: bool) -> RecoveredS
             if scan.tail_why:
                 metrics.DAMAGED_RECORDS.inc()
             data_bytes = align_up(size, ALIGN)
+        flags = ONE_TENANT if len(set(scan.tenants)) == 1 else 0
         try:
-            footer = seal_file(fd, rank, seq, scan.entries, data_bytes)
+            footer = seal_file(fd, rank, seq, scan.entries, data_bytes, flags)
         except OSError as e:  # serve the verified records anyway; the file stays unsealed
             log.error("SSD recovery: cannot seal %s: %s", path.name, e)
             table = np.array([(k, o, n, 0) for k, o, n in scan.entries], dtype=ENTRY_DTYPE)
             return RecoveredSegment(seq, path, os.fstat(fd).st_size, data_bytes, 0, table,
-                                    flushed_marker(path).exists(), truncated, str(e))
+                                    flushed_marker(path).exists(), scan.tenants, truncated, str(e))
         return RecoveredSegment(seq, path, data_bytes + footer.footer_bytes, footer.data_bytes,
-                                footer.sealed_at_ns, footer.entries, flushed_marker(path).exists(), truncated)
+                                footer.sealed_at_ns, footer.entries, flushed_marker(path).exists(), scan.tenants,
+                                truncated)
     finally:
         os.close(fd)
 

@@ -21,7 +21,7 @@ from ..segments import SealedSegment, SegmentEntry
 from . import metrics
 from .io import aligned_buffer, write_extent
 from .reclaim import Reclaimer
-from .segment import build_footer, footer_bytes
+from .segment import ONE_TENANT, build_footer, footer_bytes
 from .state import BOUNCE_BYTES, SegmentLogState, SegmentState
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,8 @@ class Sealer:
         assert st.io is not None
         fb = footer_bytes(len(seg.entries))
         buf = st.write_bounce() if fb <= BOUNCE_BYTES else aligned_buffer(fb)
-        footer = build_footer(st.rank, seg.seq, seg.data_bytes, now_ns, seg.entries, out=buf)
+        footer = build_footer(st.rank, seg.seq, seg.data_bytes, now_ns, seg.entries, out=buf,
+                              flags=ONE_TENANT if seg.one_tenant else 0)
         write_extent(st.io, seg.fd, seg.data_bytes, [footer], buf)
         st.io.sync(seg.fd)  # a seal is always durable: the flusher uploads what it sees
 

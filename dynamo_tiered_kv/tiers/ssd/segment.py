@@ -9,6 +9,9 @@ offset 0 (each a 4 KiB multiple), then, once sealed, a footer padded to 4 KiB::
                          n_entries u32 | footer_bytes u32 | data_bytes u64 | sealed_at_ns u64 |
                          entries_xxh3 u64 | trailer_xxh3 u64 (of the 56 bytes before it)
 
+Trailer flag ``ONE_TENANT`` (bit 0): every record of the segment names the same tenant in its
+header, so recovery reads one header for the segment's tenant instead of one per record.
+
 The trailer is the file's last 64 bytes, so a reader finds the index with one read of the
 file's last page. An unsealed segment has no footer; recovery scans its records instead.
 
@@ -36,6 +39,8 @@ from .quarantine import read_regular
 
 SEG_MAGIC = b"DTKVSEG\x00"
 SEG_VERSION = 1
+#: trailer flag: every record of the segment names one tenant (docs/SSD.md section 2)
+ONE_TENANT = 1
 ENTRY = struct.Struct(f"<{KEY_BYTES}sQII")
 TRAILER = struct.Struct("<8sHHIQIIQQQQ")
 TOMBSTONE = struct.Struct(f"<QQ{KEY_BYTES}sQ")
@@ -82,6 +87,7 @@ class Footer:
     data_bytes: int
     sealed_at_ns: int
     entries: np.ndarray  # ENTRY_DTYPE, file order
+    flags: int = 0  # trailer flags (``ONE_TENANT``)
 
     @property
     def footer_bytes(self) -> int:
@@ -89,34 +95,37 @@ class Footer:
 
 
 def build_footer(rank: int, seq: int, data_bytes: int, sealed_at_ns: int,
-                 entries: Iterable[tuple[bytes, int, int]], out: np.ndarray | None = None) -> np.ndarray:
-    """Encode a footer (uint8 array of ``footer_bytes(n)``), into ``out`` when given."""
+                 entries: Iterable[tuple[bytes, int, int]], out: np.ndarray | None = None,
+                 flags: int = 0) -> np.ndarray:
+    """Encode a footer (uint8 array of ``footer_bytes(n)``), into ``out`` when given; ``flags``
+    are the trailer's (``ONE_TENANT``)."""
     table = np.array([(k, o, n, 0) for k, o, n in entries], dtype=ENTRY_DTYPE)
     fb = footer_bytes(len(table))
     buf = np.zeros(fb, np.uint8) if out is None else out[:fb]
     buf[:] = 0
     raw = table.tobytes()
     buf[:len(raw)] = np.frombuffer(raw, np.uint8)
-    head = TRAILER.pack(SEG_MAGIC, SEG_VERSION, 0, rank, seq, len(table), fb, data_bytes, sealed_at_ns,
+    head = TRAILER.pack(SEG_MAGIC, SEG_VERSION, flags, rank, seq, len(table), fb, data_bytes, sealed_at_ns,
                         xxhash.xxh3_64_intdigest(raw), 0)[:-8]
     trailer = head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
     buf[fb - TRAILER.size:] = np.frombuffer(trailer, np.uint8)
     return buf
 
 
-def parse_trailer(last: bytes) -> tuple[int, int, int, int, int, int, int] | None:
+def parse_trailer(last: bytes) -> tuple[int, int, int, int, int, int, int, int] | None:
     """Verify a trailer (the file's last 64 bytes).
 
-    Returns (rank, seq, n_entries, footer_bytes, data_bytes, sealed_at_ns, entries_xxh3) or None.
+    Returns (rank, seq, n_entries, footer_bytes, data_bytes, sealed_at_ns, entries_xxh3, flags)
+    or None.
     """
     if len(last) != TRAILER.size:
         return None
-    (magic, version, _flags, rank, seq, n, fb, data_bytes, sealed_at, ent_sum, tsum) = TRAILER.unpack(last)
+    (magic, version, flags, rank, seq, n, fb, data_bytes, sealed_at, ent_sum, tsum) = TRAILER.unpack(last)
     if magic != SEG_MAGIC or version != SEG_VERSION:
         return None
     if xxhash.xxh3_64_intdigest(last[:-8]) != tsum or fb != footer_bytes(n):
         return None
-    return rank, seq, n, fb, data_bytes, sealed_at, ent_sum
+    return rank, seq, n, fb, data_bytes, sealed_at, ent_sum, flags
 
 
 def read_footer(fd: int, file_size: int) -> Footer | None:
@@ -132,7 +141,7 @@ def read_footer(fd: int, file_size: int) -> Footer | None:
     t = parse_trailer(os.pread(fd, TRAILER.size, file_size - TRAILER.size))
     if t is None:
         return None
-    rank, seq, n, fb, data_bytes, sealed_at, ent_sum = t
+    rank, seq, n, fb, data_bytes, sealed_at, ent_sum, flags = t
     if data_bytes + fb != file_size:
         return None
     raw = os.pread(fd, n * ENTRY.size, data_bytes)
@@ -143,7 +152,7 @@ def read_footer(fd: int, file_size: int) -> Footer | None:
     if n and (np.any(offs % ALIGN) or np.any(lens % ALIGN) or np.any(lens <= 0)
               or np.any(offs[1:] < offs[:-1] + lens[:-1]) or offs[-1] + lens[-1] > data_bytes):
         return None
-    return Footer(rank, seq, data_bytes, sealed_at, entries)
+    return Footer(rank, seq, data_bytes, sealed_at, entries, flags)
 
 
 def read_footer_at(path: Path, file_size: int) -> Footer | None:

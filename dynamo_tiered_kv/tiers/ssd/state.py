@@ -4,8 +4,9 @@ tombstone log, read path, flush source and lifecycle).
 
 Threads and ownership
 ---------------------
-* ``lock`` guards ``index``, ``segments``, ``open``, ``used``, ``tick`` and each segment's
-  ``readers``, ``pins``, ``dead``, ``sealed``, ``flushed`` and ``last_used``. It is held for
+* ``lock`` guards ``index``, ``tenants``, ``segments``, ``open``, ``used``, ``tick`` and each
+  segment's ``readers``, ``pins``, ``dead``, ``sealed``, ``flushed``, ``last_used``, ``owner``,
+  ``tenants`` and ``live_bytes``. It is held for
   memory operations only, never across I/O, so lookups (``contains`` on the scheduler's hot path)
   never wait on the disk.
 * The writer thread (one per tier, ``SSDTier``'s executor) is the only one that adds or removes
@@ -29,6 +30,9 @@ Invariants (under ``lock``)
   will get). Every append makes room first, so it stays within ``capacity`` (only recovery may
   load more, after the capacity was lowered; eviction then brings it down at the next append).
 * ``open`` is None or the one unsealed segment, the newest in ``segments``.
+* The index changes only through ``put_locked``/``pop_locked`` and the segment table only through
+  ``add_segment_locked``/``remove_segment_locked``, so the tenant accounts (``tenancy.py``) stay
+  exact: each segment's ``tenants`` sums its live records by tenant, the ledger sums them all.
 * Every index entry names a segment in ``segments``; a segment taken out of ``segments`` is
   marked ``dead`` in the same critical section, and its fd is closed once ``readers`` is 0.
 * ``next_seq`` is above every seq this rank directory ever held (files, quarantined files).
@@ -48,12 +52,15 @@ from typing import NoReturn
 
 import numpy as np
 
+from ...blocks.tenant import DEFAULT_TENANT
 from ...errors import TierUnavailable
+from ...policy.quotas import TenantQuotas
 from ..segments import SegmentEntry
 from . import metrics
 from .gpu_direct import GpuDirectLink
-from .index import CompactIndex
+from .index import CompactIndex, Entry
 from .io import PosixIO, aligned_buffer
+from .tenancy import TenantAccounts
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +88,10 @@ class SegmentState:
     dead: bool = False
     entries: list[tuple[bytes, int, int]] = field(default_factory=list)  # open segment only
     sealed_entries: tuple[SegmentEntry, ...] | None = None  # cached for the flusher
+    owner: bytes = DEFAULT_TENANT  # the tenant it was opened for, charged its footer and dead bytes
+    tenants: dict[bytes, int] = field(default_factory=dict)  # live record bytes per tenant
+    live_bytes: int = 0  # sum of ``tenants``
+    one_tenant: bool = True  # every record appended names ``owner`` (open segment: the footer's flag)
 
 
 class SegmentLogState:
@@ -88,7 +99,7 @@ class SegmentLogState:
     directory (module docstring: ownership per field, invariants)."""
 
     def __init__(self, rank_dir: Path, rank: int, *, capacity: int, segment_bytes: int, fsync: bool,
-                 write_retry_s: float, gpu: GpuDirectLink) -> None:
+                 write_retry_s: float, gpu: GpuDirectLink, quotas: TenantQuotas | None = None) -> None:
         self.rank_dir = rank_dir
         self.rank = rank
         self.capacity = capacity
@@ -100,6 +111,9 @@ class SegmentLogState:
 
         self.lock = threading.Lock()
         self.index = CompactIndex()
+        #: the tenant ledger, per-segment tenant bytes and charges (``tenancy.py``); kept by
+        #: ``put_locked``/``pop_locked``, the only ways the index changes
+        self.tenants = TenantAccounts(quotas)
         self.segments: dict[int, SegmentState] = {}
         self.open: SegmentState | None = None
         self.next_seq = 1
@@ -138,6 +152,35 @@ class SegmentLogState:
             self._write_bounce = aligned_buffer(BOUNCE_BYTES)
         return self._write_bounce
 
+    # --- index changes (under ``lock``): the index and the tenant accounts move together ----
+    def put_locked(self, key: bytes, seg: SegmentState, offset: int, length: int, tenant: bytes) -> Entry | None:
+        """Place ``key``'s record of ``tenant`` in ``seg``; returns the entry it replaced."""
+        old = self.index.put_entry(key, seg.seq, offset, length, tenant)
+        if old is not None:
+            self.tenants.record_removed_locked(self.segments.get(old[0]), old[3], old[2])
+        self.tenants.record_added_locked(seg, tenant, length)
+        return old
+
+    def pop_locked(self, key: bytes, only_seq: int | None = None) -> Entry | None:
+        """Drop ``key`` (only from segment ``only_seq``, when given); returns its entry."""
+        e = self.index.pop_entry(key, only_seq)
+        if e is not None:
+            self.tenants.record_removed_locked(self.segments.get(e[0]), e[3], e[2])
+        return e
+
+    def add_segment_locked(self, seg: SegmentState, owner: bytes) -> None:
+        """``seg`` joins the segment table, owned by ``owner`` (counted in ``used``)."""
+        self.segments[seg.seq] = seg
+        self.used += seg.size
+        self.tenants.segment_added_locked(seg, owner)
+
+    def remove_segment_locked(self, seg: SegmentState) -> None:
+        """``seg`` leaves the segment table (its live keys were popped first) and is retired."""
+        del self.segments[seg.seq]
+        self.used -= seg.size
+        self.tenants.segment_removed_locked(seg)
+        self.retire_locked(seg)
+
     # --- descriptors ----------------------------------------------------------------------
     def close_fd(self, fd: int) -> None:
         """Close a segment descriptor (GPU-direct registration first)."""
@@ -167,6 +210,7 @@ class SegmentLogState:
                     self.retire_locked(seg)
             self.segments.clear()
             self.index.clear()
+            self.tenants.clear()
             self.open = None
             self.used = 0
 

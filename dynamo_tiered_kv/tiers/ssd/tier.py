@@ -7,7 +7,9 @@ and reads every run of adjacent records of one segment with one request, straigh
 caller's buffers when they are page aligned (staging slabs are), through a bounce buffer
 otherwise. A full or idle segment is sealed with a footer; eviction drops whole sealed segments,
 least recently used first; deletes free their records' bytes, and the tombstone log sheds the
-entries of segments that are gone. Format, crash contract and concurrency rule: docs/SSD.md.
+entries of segments that are gone. Every record's tenant is accounted (``tenant_usage``); with
+quotas a segment holds one tenant and eviction respects the tenants' limits (``tenancy.py``).
+Format, crash contract and concurrency rule: docs/SSD.md.
 
 ``SSDTier`` is a facade over parts it builds and owns, each with one job, all sharing one
 ``SegmentLogState`` (``state.py``: index, segment table, open segment, counters, I/O path,
@@ -21,7 +23,8 @@ flags, and the lock that guards them):
 * ``ReadPath`` (``reads.py``): planned, coalesced reads;
 * ``FlushSource`` (``flushing.py``): the ``SegmentSource`` face for the object-tier flusher;
 * ``SegmentLogLifecycle`` (``lifecycle.py``): lock, I/O path, recovery; close;
-* ``GpuDirectLink`` (``gpu_direct.py``): the GPU-direct path until it fails.
+* ``GpuDirectLink`` (``gpu_direct.py``): the GPU-direct path until it fails;
+* ``TenantAccounts`` (``tenancy.py``, held by the state): the tenant ledger, charges and quotas.
 
 Threads: all mutations (append, seal, delete, evict, open, close) run on one writer thread (the
 tier's executor), so appends are ordered; reads run in the default executor concurrently with
@@ -41,6 +44,7 @@ import numpy as np
 
 from ...blocks.codec import ALIGN
 from ...blocks.keys import BlockKey
+from ...policy.quotas import TenantQuotas
 from ..base import ReadRequest, Tier, TierCapabilities, TierExpiry, TierUsage
 from ..segments import SealedSegment
 from . import metrics
@@ -93,6 +97,10 @@ class SSDTier(Tier):
             ``write_many`` values and ``read_many`` destinations may then be ``DeviceSpan``s.
             Used only over O_DIRECT files; the first failed transfer detaches it for good (log
             line, ``dtkv_ssd_gpu_direct_failures``) and callers take the host-bounce path.
+        quotas: per-tenant byte limits (``policy.quotas``; None or not ``enforced``: none). A
+            tenant over its limit evicts its own segments; a full tier never evicts a tenant within
+            its limit for another tenant's writes while a tenant is over its limit (docs/SSD.md
+            section 8). With quotas each segment holds one tenant's records.
     """
 
     name = "ssd"
@@ -114,7 +122,8 @@ class SSDTier(Tier):
                  allow_evict_unflushed: bool | None = None, fsync: bool = True, verify_reads: bool = False,
                  idle_seal_s: float | None = 60.0, write_retry_s: float = 30.0,
                  on_sealed: Callable[[SealedSegment], None] | None = None,
-                 device_io: DeviceIO | None = None, namespace: bytes | None = None) -> None:
+                 device_io: DeviceIO | None = None, namespace: bytes | None = None,
+                 quotas: TenantQuotas | None = None) -> None:
         if capacity_bytes <= 0 or segment_bytes < 2 * ALIGN or rank < 0:
             raise ValueError("capacity_bytes and rank must be positive and segment_bytes at least 8 KiB")
         if io not in ("auto", "nixl", "odirect", "buffered"):
@@ -128,7 +137,7 @@ class SSDTier(Tier):
         self._idle_seal_s = idle_seal_s
         self._state = st = SegmentLogState(
             self.rank_dir, rank, capacity=capacity_bytes, segment_bytes=min(segment_bytes // ALIGN * ALIGN, clamp),
-            fsync=fsync, write_retry_s=write_retry_s, gpu=GpuDirectLink(device_io, self.rank_dir))
+            fsync=fsync, write_retry_s=write_retry_s, gpu=GpuDirectLink(device_io, self.rank_dir), quotas=quotas)
         #: logical I/O requests issued: one per contiguous run (bounced runs may take more syscalls)
         self.io_stats = st.io_stats
         self._tombstones = TombstoneLog(st)
@@ -235,6 +244,21 @@ class SSDTier(Tier):
     def usage(self) -> TierUsage:
         st = self._state
         return TierUsage(st.capacity, st.used, len(st.index))
+
+    def tenant_limit(self, tenant: str) -> int:
+        """``Tier.tenant_limit``: the tenant's quota here (``tenant`` in hex), else the capacity."""
+        quotas = self._state.tenants.quotas
+        if quotas is None:
+            return self._state.capacity
+        try:
+            return quotas.limit(bytes.fromhex(tenant))
+        except ValueError:  # a holder that names no tenant id: the default share
+            return quotas.limit(b"")
+
+    def tenant_usage(self) -> dict[bytes, tuple[int, int]]:
+        """Live record bytes and blocks each tenant holds here (a copy)."""
+        with self._state.lock:
+            return self._state.tenants.snapshot()
 
     def index_nbytes(self) -> int:
         return self._state.index.nbytes()
