@@ -204,6 +204,7 @@ def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | Non
             idle_seal_s=config.ssd_seal_idle_s,
             device_io=gpu_direct[0] if gpu_direct else None,
             namespace=namespace.digest,  # verifying reads check the full identity, not only the key
+            quotas=tenant_quotas(config, "ssd", config.ssd_capacity_bytes),
         )
         tiers.append(ssd)
         ttls.append(config.ssd_ttl_s)
