@@ -111,6 +111,30 @@ async def test_a_tenant_over_its_quota_evicts_its_own_segments_before_the_tier_i
         await t.close()
 
 
+async def test_a_full_tier_evicts_a_tenant_over_its_lowered_quota_not_an_older_tenant_within_its_own(
+        tmp_path: Path) -> None:
+    t = await tier(tmp_path, None)
+    try:
+        await write(t, C, range(20))  # C's segments are the least recently used
+        await t.seal()
+        await write(t, A, range(40))
+        await t.seal()
+    finally:
+        await t.close()
+    q = TenantQuotas(CAP, limits={A: CAP // 4, B: CAP // 2, C: CAP // 4})  # A is now far over its limit
+    t = await tier(tmp_path, q)
+    try:
+        for step in range(10):
+            await write(t, B, range(step * 4, step * 4 + 4))
+        for i in range(20):
+            assert await read(t, key(C, i)) == record(C, i), f"C lost block {i} while A was over its quota"
+        assert t.tenant_usage()[A][1] < 40
+        assert all(t.contains(key(B, i)) for i in range(40))
+        assert t.tenant_usage() == await held(t)
+    finally:
+        await t.close()
+
+
 async def test_a_record_larger_than_its_tenants_quota_is_refused_and_nothing_is_lost(tmp_path: Path) -> None:
     q = TenantQuotas(CAP, limits={B: REC})
     t = await tier(tmp_path, q)
@@ -252,3 +276,24 @@ def test_tenant_limit_is_the_quota_or_the_capacity(tmp_path: Path) -> None:
     assert with_q.tenant_limit(A.hex()) == CAP // 8
     assert with_q.tenant_limit(B.hex()) == CAP
     assert without.tenant_limit(A.hex()) == CAP
+
+
+def test_the_settings_reach_the_ssd_tier_built_from_config(tmp_path: Path) -> None:
+    from dynamo_tiered_kv.blocks.keys import Namespace
+    from dynamo_tiered_kv.blocks.tenant import parse_tenant
+    from dynamo_tiered_kv.config import TieredKVConfig
+    from dynamo_tiered_kv.factory import build_store
+
+    cap = 64 << 20
+    cfg = TieredKVConfig.from_mapping({
+        "host_capacity_bytes": 0, "ssd_dir": str(tmp_path), "ssd_capacity_bytes": cap, "staging_slab_bytes": 1 << 20,
+        "staging_slabs": 2, "tenant_default_share": 0.5, "tenant_quotas": {"acme": {"ssd": "8MiB"}}})
+    store = build_store(cfg, Namespace("tiny", "bfloat16", "VLLM_CPU", 16, 2, 2, 32))
+    try:
+        ssd = store.tiers[0]
+        assert isinstance(ssd, SSDTier)
+        acme = parse_tenant("acme", deployment_salt="")
+        assert ssd.tenant_limit(acme.hex()) == 8 << 20
+        assert ssd.tenant_limit(DEFAULT_TENANT.hex()) == cap // 2
+    finally:
+        store.close()
