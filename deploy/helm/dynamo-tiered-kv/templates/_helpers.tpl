@@ -51,6 +51,9 @@ app.kubernetes.io/component: worker
 
 {{- define "dtkv.configMountPath" -}}/etc/dynamo-tiered-kv{{- end -}}
 
+{{/* Where encryption.kekSecret is mounted; the chart points encryption_keys at it (dir://). */}}
+{{- define "dtkv.kekMountPath" -}}/etc/dynamo-tiered-kv-keks{{- end -}}
+
 {{/* ---------------------------------------------------------------- sizes */}}
 
 {{/*
@@ -99,6 +102,11 @@ metrics settings: the GC job has no SSD volume and serves no metrics.
 {{- $_ := set $cfg $k ($b | int64) -}}
 {{- end -}}
 {{- end -}}
+{{- $quotas := dict -}}
+{{- if hasKey $cfg "tenant_quotas" -}}
+{{- $quotas = get $cfg "tenant_quotas" -}}
+{{- $_ := unset $cfg "tenant_quotas" -}}
+{{- end -}}
 {{- if .forGC -}}
 {{- range $k := keys $cfg -}}
 {{- if hasPrefix "ssd_" $k -}}{{- $_ := unset $cfg $k -}}{{- end -}}
@@ -116,8 +124,50 @@ metrics settings: the GC job has no SSD volume and serves no metrics.
 {{- if $v.metrics.enabled -}}
 {{- $_ := set $cfg "metrics_port" ($v.metrics.port | int) -}}
 {{- end -}}
+{{- with $v.encryption.kekSecret -}}
+{{- $_ := set $cfg "encryption_keys" (printf "dir://%s" (include "dtkv.kekMountPath" $root)) -}}
 {{- end -}}
+{{- end -}}
+{{- if $quotas -}}
+{{- if $cfg -}}{{- toYaml $cfg -}}{{- "\n" -}}{{- end -}}
+tenant_quotas: {{ include "dtkv.tenantQuotas" $quotas }}
+{{- else -}}
 {{- toYaml $cfg -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+tieredKV.tenant_quotas as a YAML flow mapping, written out here rather than by toYaml: Helm reads
+every number of a values file as a float, and toYaml writes a share of 1.0 as "1", which the
+settings would read as one byte. So a number up to 1 is written as a share with a decimal point
+("1.0", "0.25"), 0 and larger whole numbers as bytes, a string (a size such as "40Gi") as it is.
+*/}}
+{{- define "dtkv.tenantQuotas" -}}
+{{- $tenants := list -}}
+{{- range $tenant, $limits := . -}}
+{{- if not $tenant -}}{{- fail "tieredKV.tenant_quotas: an empty tenant name (write default for the default tenant)" -}}{{- end -}}
+{{- $tiers := list -}}
+{{- range $tier, $x := $limits -}}
+{{- $text := "" -}}
+{{- if kindIs "string" $x -}}
+{{- $text = toJson $x -}}
+{{- else if or (kindIs "float64" $x) (kindIs "int64" $x) (kindIs "int" $x) -}}
+{{- $f := float64 $x -}}
+{{- if and (gt $f 0.0) (le $f 1.0) -}}
+{{- $text = regexReplaceAll "0+$" (printf "%.12f" $f) "" -}}
+{{- if hasSuffix "." $text -}}{{- $text = print $text "0" -}}{{- end -}}
+{{- else if and (ge $f 0.0) (eq $f (float64 (int64 $f))) -}}
+{{- $text = toString (int64 $f) -}}
+{{- end -}}
+{{- end -}}
+{{- if eq $text "" -}}
+{{- fail (printf "tieredKV.tenant_quotas[%s][%s]: %v is neither a size like 40Gi, whole bytes, nor a share in (0, 1]" $tenant $tier $x) -}}
+{{- end -}}
+{{- $tiers = append $tiers (printf "%s: %s" (toJson $tier) $text) -}}
+{{- end -}}
+{{- $tenants = append $tenants (printf "%s: {%s}" (toJson $tenant) (join ", " $tiers)) -}}
+{{- end -}}
+{{- printf "{%s}" (join ", " $tenants) -}}
 {{- end -}}
 
 {{/* Our connector's kv_transfer_config entry (top level when aggregated, a MultiConnector child when not). */}}
@@ -302,6 +352,12 @@ kv_load_failure_policy is set on the MultiConnector because vLLM's scheduler rea
     medium: Memory
     sizeLimit: {{ .Values.worker.shm.size }}
 {{- end }}
+{{- with .Values.encryption.kekSecret }}
+- name: dtkv-keks
+  secret:
+    secretName: {{ . }}
+    defaultMode: 288  # 0440: read by the owner and the pod's fsGroup
+{{- end }}
 {{- if .Values.ssd.mountRunUdev }}
 - name: run-udev
   hostPath:
@@ -327,6 +383,11 @@ kv_load_failure_policy is set on the MultiConnector because vLLM's scheduler rea
 {{- if and .Values.worker.shm.enabled (ne .Values.worker.kind "DynamoGraphDeployment") }}
 - name: dshm
   mountPath: /dev/shm
+{{- end }}
+{{- if .Values.encryption.kekSecret }}
+- name: dtkv-keks
+  mountPath: {{ include "dtkv.kekMountPath" . }}
+  readOnly: true
 {{- end }}
 {{- if .Values.ssd.mountRunUdev }}
 - name: run-udev
@@ -416,6 +477,11 @@ object_ttl_s default), not from the config file.
 {{- end -}}
 {{- if and (eq $v.engine "sglang") $v.disaggregation.enabled -}}
 {{- fail "engine=sglang does not support disaggregation.enabled (the chart wires SGLang workers aggregated only)" -}}
+{{- end -}}
+{{- $encryption := $v.tieredKV.encryption -}}
+{{- if hasKey ($v.connector.extraConfig | default dict) "encryption" -}}{{- $encryption = get $v.connector.extraConfig "encryption" -}}{{- end -}}
+{{- if and (eq (toString $encryption) "on") (not $v.encryption.kekSecret) -}}
+{{- fail "tieredKV.encryption=\"on\" needs encryption.kekSecret: the name of an existing Secret with one key per key-encryption key version plus a key `current` naming the version in use (docs/ENCRYPTION.md); the chart mounts it and sets encryption_keys" -}}
 {{- end -}}
 {{- if and $v.gc.enabled (not $v.tieredKV.object_url) -}}
 {{- fail "gc.enabled needs tieredKV.object_url (GC runs against the object tier)" -}}
