@@ -4,6 +4,16 @@ One asyncio task scans the ``SegmentSource`` (the SSD tier) for sealed, unflushe
 feeds a bounded queue; ``concurrency`` workers upload each segment as one data object plus its
 manifest (``ObjectTier.publish_segment``), then call ``mark_flushed``.
 
+* **Live records only.** The source lists each segment with its live records (those deleted or
+  superseded since they were written are left out), and the manifest lists exactly those. When
+  the bytes a restore can never read (dead records, the SSD footer) exceed ``compact_dead_share``
+  of the file, the live records are first copied back to back into an unnamed temporary file
+  beside the segment (same file system; it vanishes with the process, so a crash leaves nothing
+  to clean up) and that copy is uploaded instead: the data object then holds only live records.
+  Below the share the file is uploaded as it is (no copy). Either way the object is named by its
+  content (``manifest.content_digest`` over what is uploaded), so a redo of the same live set
+  reuses the object a crashed attempt left, and a changed live set gets a new name.
+
 * **Backpressure.** The queue holds at most ``max_queue`` segments. When it is full the scanner
   stops enqueuing and picks the rest up on a later scan; nothing is dropped, because the durable
   list of unflushed segments lives on the SSD side. ``stats.lag_bytes`` / ``lag_seconds`` tell
@@ -22,7 +32,7 @@ manifest (``ObjectTier.publish_segment``), then call ``mark_flushed``.
   marked flushed on its word alone would hold the only copy of its blocks once the SSD evicts
   it. So ``ObjectTier.holds_now`` confirms each serving object in the bucket (a HEAD of its
   manifest and a LIST of its quarantine markers: a few requests per segment). One record the
-  bucket lacks, or one whose copy was reported corrupt, uploads the whole file, as before.
+  bucket lacks, or one whose copy was reported corrupt, uploads the segment (its live records).
 * **Retention.** A publish records the protected entries' priority and expiry in its manifest
   (``retain_field``), which other nodes and restarts take over and ``dtkv gc`` honours past the
   TTL. The object tier does not remember in memory which retention the manifest serving a key
@@ -36,12 +46,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
-from ..segments import SealedSegment, SegmentSource
+from ..segments import SealedSegment, SegmentEntry, SegmentSource
 from .expiry import retain_field
 from .retry import wait_event
 from .threads import run_in_thread
@@ -64,6 +78,8 @@ class FlushStats:
     skipped_segments: int = 0  # segments that vanished before upload (pin refused)
     already_stored_segments: int = 0  # marked flushed without upload: the object tier held every record
     already_stored_bytes: int = 0  # their sizes: the uploads saved
+    compacted_segments: int = 0  # uploaded as a copy of their live records (dead share above the bound)
+    dead_bytes_dropped: int = 0  # bytes of those segments left out of their objects (dead records, footer)
     queue_full_events: int = 0  # scans that found the queue full (backpressure engaged)
     last_error: str = ""
 
@@ -78,14 +94,19 @@ class Flusher:
         concurrency: segments uploaded at once (each also uploads its parts in parallel).
         scan_interval_s: how often the source is rescanned without a ``notify``.
         retry_base_s, retry_max_s: backoff of a segment whose upload failed.
+        compact_dead_share: share of a segment file (0..1) that may be dead (records deleted or
+            superseded, the footer) before only its live records are uploaded, as a copy (module
+            docstring). 0 copies every segment with a dead byte; 1 never copies.
         clock: wall clock (injectable for tests); lag is measured against ``sealed_at``.
     """
 
     def __init__(self, source: SegmentSource, tier: ObjectTier, *, max_queue: int = 16, concurrency: int = 2,
                  scan_interval_s: float = 1.0, retry_base_s: float = 1.0, retry_max_s: float = 60.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 compact_dead_share: float = 0.1, clock: Callable[[], float] = time.time) -> None:
         if max_queue < 1 or concurrency < 1 or scan_interval_s <= 0:
             raise ValueError("max_queue, concurrency and scan_interval_s must be positive")
+        if not 0.0 <= compact_dead_share <= 1.0:  # NaN too
+            raise ValueError(f"compact_dead_share must be in [0, 1], got {compact_dead_share}")
         self.source = source
         self.tier = tier
         self.max_queue = max_queue
@@ -93,6 +114,7 @@ class Flusher:
         self.scan_interval_s = scan_interval_s
         self.retry_base_s = retry_base_s
         self.retry_max_s = retry_max_s
+        self.compact_dead_share = compact_dead_share
         self._clock = clock
         self._queue: asyncio.Queue[SealedSegment] | None = None
         self._pending: set[str] = set()  # queued or in flight
@@ -224,10 +246,11 @@ class Flusher:
             self._stats = replace(self._stats, skipped_segments=self._stats.skipped_segments + 1)
             return
         stored = False
+        dropped = 0
         try:
             stored = await self._already_stored(seg)  # asks the bucket: inside the retry path
             if not stored:
-                await self.tier.publish_segment(seg)
+                dropped = await self._publish_live(seg)
             await run_in_thread(self.source.mark_flushed, sid)  # fsyncs: off the loop
         except asyncio.CancelledError:
             raise
@@ -249,8 +272,31 @@ class Flusher:
             self._stats = replace(self._stats, already_stored_segments=self._stats.already_stored_segments + 1,
                                   already_stored_bytes=self._stats.already_stored_bytes + seg.size)
         else:
-            self._stats = replace(self._stats, flushed_segments=self._stats.flushed_segments + 1,
-                                  flushed_bytes=self._stats.flushed_bytes + seg.size)
+            st = self._stats
+            self._stats = replace(st, flushed_segments=st.flushed_segments + 1,
+                                  flushed_bytes=st.flushed_bytes + seg.size,
+                                  compacted_segments=st.compacted_segments + (dropped > 0),
+                                  dead_bytes_dropped=st.dead_bytes_dropped + dropped)
+
+    async def _publish_live(self, seg: SealedSegment) -> int:
+        """Publish ``seg``'s live records (module docstring): the file as it is while its dead
+        share is within ``compact_dead_share``, else a copy of its live records back to back.
+        Returns the bytes left out (0: the file was uploaded whole).
+
+        Raises:
+            OSError: the segment could not be read or the copy written (the segment is retried).
+            TierUnavailable: the store failed; nothing half-written is visible.
+        """
+        dead = seg.size - sum(e.length for e in seg.entries)
+        if dead <= 0 or dead <= self.compact_dead_share * seg.size:
+            await self.tier.publish_segment(seg)
+            return 0
+        # Unnamed (O_TMPFILE, or unlinked at once): no name for a crash to leave behind, and the
+        # upload reads it by its descriptor's path while this coroutine holds the file open.
+        with tempfile.TemporaryFile(dir=Path(seg.path).parent) as tmp:
+            live = await run_in_thread(copy_live_records, seg, tmp.fileno())
+            await self.tier.publish_segment(live)
+        return seg.size - live.size
 
     async def _already_stored(self, seg: SealedSegment) -> bool:
         """Whether publishing ``seg`` would add nothing: the bucket serves every live record (same
@@ -263,3 +309,59 @@ class Flusher:
         if retain_field(tier.retention, [e.key for e in seg.entries]):
             return False
         return await tier.holds_now(seg.entries)
+
+
+def copy_live_records(seg: SealedSegment, out_fd: int) -> SealedSegment:
+    """Copy ``seg``'s listed (live) records back to back into the empty file ``out_fd``, in file
+    order, adjacent records in one copy. Returns the segment the copy is: same id and seal time,
+    the records at their new offsets, its path the descriptor's ``/proc/self/fd`` name (valid
+    while ``out_fd`` stays open). Blocking: run it in a worker thread.
+
+    Raises:
+        OSError: the segment file is shorter than ``seg.size`` or a read or write failed.
+    """
+    src = os.open(seg.path, os.O_RDONLY)
+    try:
+        if os.fstat(src).st_size < seg.size:
+            raise OSError(errno.EIO, f"{seg.path} is shorter than the {seg.size} bytes its segment lists")
+        entries: list[SegmentEntry] = []
+        runs: list[list[int]] = []  # [offset in the segment, length] of each run of adjacent records
+        pos = 0
+        for e in seg.entries:
+            if runs and runs[-1][0] + runs[-1][1] == e.offset:
+                runs[-1][1] += e.length
+            else:
+                runs.append([e.offset, e.length])
+            entries.append(replace(e, offset=pos))  # every other field (tenant, ...) as listed
+            pos += e.length
+        at = 0
+        for offset, length in runs:
+            _copy_range(src, out_fd, offset, length, at)
+            at += length
+    finally:
+        os.close(src)
+    return SealedSegment(seg.segment_id, Path(f"/proc/self/fd/{out_fd}"), pos, tuple(entries), seg.sealed_at)
+
+
+def _copy_range(src: int, dst: int, src_off: int, length: int, dst_off: int) -> None:
+    """``length`` bytes of ``src`` at ``src_off`` to ``dst`` at ``dst_off``: in the kernel where
+    the file system can (``copy_file_range``), else through a bounded buffer."""
+    done = 0
+    while done < length:
+        try:
+            n = os.copy_file_range(src, dst, length - done, src_off + done, dst_off + done)
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            break
+        if n == 0:
+            raise OSError(errno.EIO, f"segment file ended {length - done} bytes early at {src_off + done}")
+        done += n
+    while done < length:  # no copy_file_range here: pread/pwrite, 8 MiB at a time
+        chunk = os.pread(src, min(8 << 20, length - done), src_off + done)
+        if not chunk:
+            raise OSError(errno.EIO, f"segment file ended {length - done} bytes early at {src_off + done}")
+        view, put = memoryview(chunk), 0
+        while put < len(chunk):
+            put += os.pwrite(dst, view[put:], dst_off + done + put)
+        done += len(chunk)
