@@ -113,7 +113,7 @@ def test_help_imports_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "loaded: []"
-    assert "{bench,demo,fsck,gc,plan}" in out.stdout
+    assert "{bench,demo,fsck,gc,plan,tenants}" in out.stdout
 
 
 def test_fsck_exit_codes_tell_corruption_from_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

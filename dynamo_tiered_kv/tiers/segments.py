@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..blocks.keys import BlockKey
+from ..blocks.tenant import DEFAULT_TENANT
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +20,7 @@ class SegmentEntry:
     key: BlockKey
     offset: int  # byte offset of the record inside the segment (4 KiB aligned)
     length: int  # record length (4 KiB multiple)
+    tenant: bytes = DEFAULT_TENANT  # the record's tenant (``blocks.tenant``; its header names it too)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import xxhash
 
 from ...blocks.keys import KEY_BYTES
+from ...blocks.tenant import DEFAULT_TENANT
 from ...errors import TieredKVError
 from ..segments import SegmentEntry
 from .layout import manifest_name
@@ -146,6 +147,8 @@ class Manifest:
         }
         if self.retain:
             body["retain"] = [list(r) for r in self.retain]
+        if any(e.tenant != DEFAULT_TENANT for e in self.entries):  # absent: every record is the default tenant's
+            body["tenants"] = [e.tenant.hex() for e in self.entries]
         raw = json.dumps(body, separators=(",", ":"), sort_keys=True)
         return json.dumps({"body": body, "xxh3": xxhash.xxh3_64_hexdigest(raw.encode())},
                           separators=(",", ":"), sort_keys=True).encode()
@@ -154,7 +157,9 @@ class Manifest:
     def from_bytes(cls, raw: bytes) -> Manifest:
         try:
             body = checked_body(raw)
-            entries = tuple(SegmentEntry(bytes.fromhex(k), int(o), int(n)) for k, o, n in body["entries"])
+            tenants = parse_tenants(body.get("tenants"), len(body["entries"]))
+            entries = tuple(SegmentEntry(bytes.fromhex(k), int(o), int(n), t)
+                            for (k, o, n), t in zip(body["entries"], tenants, strict=True))
             retain = tuple(parse_retain(body.get("retain")))
             return cls(str(body["data"]), int(body["data_size"]), float(body["created_at"]), entries,
                        str(body.get("origin", "")), retain)
@@ -162,6 +167,18 @@ class Manifest:
             raise
         except (ValueError, KeyError, TypeError) as e:
             raise ManifestError(f"unreadable manifest: {type(e).__name__}: {e}") from None
+
+
+def parse_tenants(raw: object, n: int) -> list[bytes]:
+    """The optional ``tenants`` field: one tenant id (16 hex digits) per entry."""
+    if raw is None:
+        return [DEFAULT_TENANT] * n
+    if not isinstance(raw, list) or len(raw) != n:
+        raise ValueError("tenants must list one tenant per entry")
+    out = [bytes.fromhex(t) for t in raw]
+    if any(len(t) != len(DEFAULT_TENANT) for t in out):
+        raise ValueError("a tenant id is 8 bytes")
+    return out
 
 
 def parse_retain(raw: object) -> list[tuple[int, int, float | None]]:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ...blocks.codec import record_tenant
 from ...blocks.keys import BlockKey
 from ...errors import TierFull, TierUnavailable
 from ..segments import SealedSegment, SegmentEntry
@@ -91,7 +92,7 @@ class ObjectWrites:
             if v.nbytes == 0:
                 raise ValueError("cannot store an empty record")
             buf[pos:pos + v.nbytes] = v
-            entries.append(SegmentEntry(k, pos, v.nbytes))
+            entries.append(SegmentEntry(k, pos, v.nbytes, record_tenant(v)))
             pos += v.nbytes
         digest = content_digest(total, entries, lambda o, n: bytes(buf[o:o + n]))
         m = await self._publish(digest, memoryview(buf), total, tuple(entries), self.origin)
