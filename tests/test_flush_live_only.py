@@ -198,3 +198,32 @@ def test_the_live_copy_falls_back_to_reads_and_writes_without_copy_file_range(
     assert [(e.key, e.offset, e.length) for e in live.entries] == [(keys[0], 0, 4096), (keys[1], 4096, 4096),
                                                                    (keys[2], 8192, 4096)]
     assert live.size == 12288 and live.segment_id == "s/1"
+
+
+async def test_a_segment_whose_copy_cannot_be_made_is_uploaded_whole(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from dynamo_tiered_kv.tiers.objectstore import flush
+
+    def disk_full(*_args: object) -> SealedSegment:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(flush, "copy_live_records", disk_full)
+    ssd = await open_ssd_tier(tmp_path / "ssd")
+    try:
+        recs = _records(6, seed=5)
+        await ssd.write_many([(k, memoryview(r)) for k, r in recs])
+        for k, _ in recs[:3]:
+            assert await ssd.delete(k)
+        seg = await ssd.seal()
+        assert seg is not None
+        file_bytes = Path(seg.path).read_bytes()
+        fl = await _flush(ssd, tmp_path / "obj")
+        assert not ssd.unflushed_segments() and fl.stats.failures == 0
+    finally:
+        await ssd.close()
+    data, manifests = _bucket(tmp_path / "obj")
+    assert data[0].read_bytes() == file_bytes  # flushed all the same, dead bytes with it
+    assert [e.key for e in manifests[0].entries] == [k for k, _ in recs[3:]]
+    assert fl.stats.compacted_segments == 0

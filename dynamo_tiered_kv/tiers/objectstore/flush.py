@@ -293,10 +293,26 @@ class Flusher:
             return 0
         # Unnamed (O_TMPFILE, or unlinked at once): no name for a crash to leave behind, and the
         # upload reads it by its descriptor's path while this coroutine holds the file open.
-        with tempfile.TemporaryFile(dir=Path(seg.path).parent) as tmp:
-            live = await run_in_thread(copy_live_records, seg, tmp.fileno())
+        try:
+            tmp = tempfile.TemporaryFile(dir=Path(seg.path).parent)  # noqa: SIM115 - closed by the with below
+        except OSError as e:
+            return await self._publish_whole(seg, e)
+        with tmp:
+            try:
+                live = await run_in_thread(copy_live_records, seg, tmp.fileno())
+            except OSError as e:
+                return await self._publish_whole(seg, e)
             await self.tier.publish_segment(live)
         return seg.size - live.size
+
+    async def _publish_whole(self, seg: SealedSegment, why: OSError) -> int:
+        """The copy of the live records could not be made (a full or read-only disk): upload the
+        file as it is, dead bytes too, rather than hold the segment on the SSD until there is room
+        (unflushed segments cannot be evicted). Its manifest still lists live records only."""
+        log.warning("flusher: no copy of the live records of segment %s (%s); uploading the file whole",
+                    seg.segment_id, why)
+        await self.tier.publish_segment(seg)
+        return 0
 
     async def _already_stored(self, seg: SealedSegment) -> bool:
         """Whether publishing ``seg`` would add nothing: the bucket serves every live record (same
