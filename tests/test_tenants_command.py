@@ -90,6 +90,31 @@ def test_list_erase_and_restore_the_others(tmp_path: Path, capsys) -> None:
     assert rc == 0 and json.loads(out)["records"] == 0  # idempotent
 
 
+def test_nodes_drop_an_erased_tenant_from_host_and_ssd_at_their_next_refresh(tmp_path: Path, capsys) -> None:
+    """A running node (host + SSD + bucket) holds both tenants; after ``dtkv tenants erase`` its
+    store drops the erased tenant's blocks from every tier within one refresh and one erasure
+    pass, and keeps the other tenant's."""
+    src = _layout(1)
+    cfg = _config(tmp_path, object_refresh_s=0.2)
+    store = build_store(cfg, NS)
+    try:
+        keys, parents = KEYS_A + KEYS_B, parents_of(KEYS_A) + parents_of(KEYS_B)
+        assert store.submit_offload(src, [0, 1, 2, 3], keys[:4], parents[:4], tenant=A)
+        assert store.submit_offload(src, [4, 5, 6, 7], keys[4:], parents[4:], tenant=B)
+        assert store.drain(30)
+        assert store.lookup(KEYS_A).num_blocks == 4
+        rc, _ = _cli(capsys, "erase", f"id:{tenant_hex(A)}", f"file://{tmp_path / 'objects'}")
+        assert rc == 0
+        deadline = time.monotonic() + 30
+        while any(t.contains(KEYS_A[0]) for t in store.tiers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for t in store.tiers:
+            assert not any(t.contains(k) for k in KEYS_A), f"tier {t.name} still holds the erased tenant"
+        assert store.tiers[0].contains(KEYS_B[0]) and store.tiers[1].contains(KEYS_B[0])
+    finally:
+        store.close()
+
+
 def test_list_counts_an_ssd_directorys_records_by_tenant(tmp_path: Path, capsys) -> None:
     _fill(tmp_path, object_url=None)
     rc, out = _cli(capsys, "list", "--ssd", str(tmp_path / "ssd"), "--json")

@@ -13,7 +13,8 @@ Erasing a tenant, per namespace (and the legacy root layout):
   ``dtkv gc`` writes a fresh one);
 * a marker ``tenant-erasures/<tenant hex>.json`` records the time, so every node drops the
   tenant's blocks from its host and SSD tiers at its next index refresh (``ObjectTier.erasures``,
-  ``store/erasure.py``), and ``dtkv fsck`` reports any record of the tenant still readable.
+  ``store/erasure.py``) and erases its namespace once more (``ObjectTier.erase_tenant``): records
+  a node flushed between the command and its refresh go too.
 
 Readers that listed a manifest before it went get misses for its records (their GETs fail), never
 another tenant's bytes. With encryption on, the command also destroys the tenant's key first
@@ -141,6 +142,40 @@ async def _rewrite(view: ObjectBackend, m: Manifest, keep: list[SegmentEntry]) -
     return new
 
 
+async def erase_in_view(view: ObjectBackend, tenant: bytes, rep: EraseReport, *, dry_run: bool = False) -> bool:
+    """Erase ``tenant``'s records from one namespace (or the root layout); True if any was there."""
+    manifests = await _manifests(view)
+    refs: dict[str, int] = {}
+    for _, m in manifests:
+        refs[m.data] = refs.get(m.data, 0) + 1
+    touched = False
+    for mname, m in manifests:
+        theirs = [e for e in m.entries if e.tenant == tenant]
+        if not theirs:
+            continue
+        touched = True
+        rep.records += len(theirs)
+        if dry_run:
+            continue
+        keep = [e for e in m.entries if e.tenant != tenant]
+        try:
+            if keep:
+                await _rewrite(view, m, keep)
+                rep.rewritten_manifests += 1
+            await view.delete(mname)
+            rep.deleted_manifests += not keep
+            refs[m.data] -= 1
+            if refs[m.data] == 0 and m.data.startswith(DATA_DIR):
+                await view.delete(m.data)
+                rep.deleted_data += 1
+        except (TierUnavailable, OSError) as e:
+            rep.errors += 1
+            log.warning("erasing tenant %s: %s in %s: %s", tenant.hex(), mname, view.url, e)
+    if touched and not dry_run:
+        await view.delete(SNAPSHOT_NAME)  # it names the old manifests
+    return touched
+
+
 async def erase_tenant_objects(backend: ObjectBackend, tenant: bytes, *, now: float | None = None,
                                dry_run: bool = False) -> EraseReport:
     """Make every record of ``tenant`` in the bucket unreachable and delete its bytes (module
@@ -148,37 +183,8 @@ async def erase_tenant_objects(backend: ObjectBackend, tenant: bytes, *, now: fl
     rep = EraseReport(tenant.hex())
     namespaces = await list_namespaces(backend)
     for ns, view in zip(["", *namespaces], _views(backend, namespaces), strict=True):
-        manifests = await _manifests(view)
-        refs: dict[str, int] = {}
-        for _, m in manifests:
-            refs[m.data] = refs.get(m.data, 0) + 1
-        touched = False
-        for mname, m in manifests:
-            theirs = [e for e in m.entries if e.tenant == tenant]
-            if not theirs:
-                continue
-            touched = True
-            rep.records += len(theirs)
-            if dry_run:
-                continue
-            keep = [e for e in m.entries if e.tenant != tenant]
-            try:
-                if keep:
-                    await _rewrite(view, m, keep)
-                    rep.rewritten_manifests += 1
-                await view.delete(mname)
-                rep.deleted_manifests += not keep
-                refs[m.data] -= 1
-                if refs[m.data] == 0 and m.data.startswith(DATA_DIR):
-                    await view.delete(m.data)
-                    rep.deleted_data += 1
-            except (TierUnavailable, OSError) as e:
-                rep.errors += 1
-                log.warning("erasing tenant %s: %s in %s: %s", tenant.hex(), mname, view.url, e)
-        if touched:
+        if await erase_in_view(view, tenant, rep, dry_run=dry_run):
             rep.namespaces.append(ns or "(root)")
-            if not dry_run:
-                await view.delete(SNAPSHOT_NAME)  # it names the old manifests
     if not dry_run:
         await mark_erased(backend, tenant, time.time() if now is None else now)
     return rep

@@ -71,6 +71,7 @@ from .snapshot import decode as decode_snapshot
 from .snapshot import encode as encode_snapshot
 from .snapshot import fetch as fetch_snapshot
 from .stats import ObjectTierStats
+from .tenants import EraseReport, erase_in_view, read_erasures
 from .writes import ObjectWrites
 
 log = logging.getLogger(__name__)
@@ -180,6 +181,7 @@ class ObjectTier(ObjectWrites, Tier):
         self._refresher: asyncio.Task[None] | None = None
         self._starter: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[None]] = set()
+        self._erasures: dict[bytes, float] = {}  # the bucket's tenant erasure markers, read on refresh
         self._backend_open = asyncio.Event()
         self._ready = asyncio.Event()
         self._since_snapshot = 0
@@ -258,8 +260,24 @@ class ObjectTier(ObjectWrites, Tier):
                             self.backend.url, e, delay)
                 await asyncio.sleep(delay)
                 delay = min(30.0, delay * 2)
+        await self._read_erasures()
         if self.refresh_interval_s and self._refresher is None:
             self._refresher = asyncio.create_task(self._refresh_loop())
+
+    async def _read_erasures(self) -> None:
+        with contextlib.suppress(TierUnavailable, OSError):  # kept as known; read again next refresh
+            self._erasures = await read_erasures(self.root_backend)
+
+    def erasures(self) -> dict[bytes, float]:
+        return dict(self._erasures)
+
+    async def erase_tenant(self, tenant: bytes) -> int:
+        """The tenant's records leave this namespace once more (a node may have flushed some between
+        the command and this pass), then a full re-listing drops them from this node's index."""
+        before = len(self._cat)
+        await erase_in_view(self.backend, tenant, EraseReport(tenant.hex()))
+        await self.refresh(full=True)
+        return max(0, before - len(self._cat))
 
     async def close(self) -> None:
         for t in (self._refresher, self._starter):
@@ -283,6 +301,7 @@ class ObjectTier(ObjectWrites, Tier):
                 await self.refresh(full=n % self.full_refresh_every == 0)
             except TierUnavailable as e:
                 log.debug("object tier refresh failed: %s", e)
+            await self._read_erasures()
 
     def _cutoff(self) -> float | None:
         return None if self.ttl_s is None else time.time() - self.ttl_s

@@ -45,9 +45,13 @@ class FlushSource:
         demoted, released) or superseded since the seal is not published, so it cannot come back
         through the object tier."""
         st = self._state
+        out = []
         with st.lock:
-            return tuple(e for e in entries if (loc := st.index.get(e.key)) is not None
-                         and loc[0] == seq and loc[1] == e.offset)
+            for e in entries:
+                ent = st.index.entry(e.key)
+                if ent is not None and ent[0] == seq and ent[1] == e.offset:  # each names its tenant (manifests)
+                    out.append(e if e.tenant == ent[3] else SegmentEntry(e.key, e.offset, e.length, ent[3]))
+        return tuple(out)
 
     def unflushed_segments(self) -> list[SealedSegment]:
         """Sealed segments not yet in the object tier, oldest first, each with its live records

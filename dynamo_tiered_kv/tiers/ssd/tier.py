@@ -303,6 +303,20 @@ class SSDTier(Tier):
         """One tombstone append (one fdatasync) for the whole batch, then free the records' bytes."""
         return await self._on_writer(self._reclaimer.delete, [bytes(k) for k in keys])
 
+    async def erase_tenant(self, tenant: bytes) -> int:
+        """``Tier.erase_tenant`` from the index's tenant column (no record read); the records go
+        like any deleted record (tombstoned, their bytes punched or their segment reclaimed)."""
+        st = self._state
+        with st.lock:
+            index = st.index
+            keys = index.keys()
+            doomed = [k for k in keys if (e := index.entry(k)) is not None and e[3] == tenant]
+        n = await self.delete_many(doomed)
+        if self._retention is not None:
+            self._retention.forget(doomed)
+        self._report_evicted(doomed)
+        return n
+
     async def expire(self, now: float, max_bytes: int) -> TierExpiry:
         """``Tier.expire``, then the open segment is sealed if expired records lie in it, so no
         byte of an expired block stays on disk after the pass (``seal_deleted``)."""
