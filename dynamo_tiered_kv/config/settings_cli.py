@@ -212,6 +212,10 @@ def _values_text(name: str, annotation: Any, metadata: list[Any]) -> str:
     if typing.get_origin(annotation) is typing.Literal:
         return " / ".join(f"`{a}`" for a in args)
     base = args[0] if optional and len(args) == 1 else annotation
+    if typing.get_origin(base) is dict:  # a map whose values are maps of named entries
+        inner = typing.get_args(base)[1]
+        names = typing.get_args(typing.get_args(inner)[0]) if typing.get_origin(inner) is dict else ()
+        return "map: name -> {" + " / ".join(f"`{n}`" for n in names) + ": size or share}" if names else "map"
     kinds = {bool: "true / false", int: "integer", float: "number", str: "text", Path: "path"}
     kind = ("size" if name.endswith("_bytes") else "seconds" if name.endswith("_s") and base is float
             else kinds.get(base, "secret" if "Secret" in str(base) else str(base)))
@@ -232,7 +236,7 @@ def settings_table() -> str:
     rows = ["| setting | default | values | what it does |", "|---|---|---|---|"]
     for name, f in TieredKVConfig.model_fields.items():
         desc = " ".join((f.description or "").split()).replace("|", "\\|")
-        rows.append(f"| `{name}` | {_default_text(name, f.default)} | "
+        rows.append(f"| `{name}` | {_default_text(name, f.get_default(call_default_factory=True))} | "
                     f"{_values_text(name, f.annotation, f.metadata)} | {desc} |")
     return "\n".join(rows)
 
