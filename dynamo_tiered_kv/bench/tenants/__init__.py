@@ -154,7 +154,8 @@ def _crypto_tables(res: dict[str, Any]) -> list[str]:
     return [table(["path", "tokens", "MiB", "off ms", "on ms", "off GB/s", "on GB/s", "on/off", "range"], rows,
                   title=f"crypto: encryption on vs off, {res['shape']} ({res['record_bytes'] >> 10} KiB records), "
                   f"objects on {res['object_store']}, median of {res['rounds']} interleaved rounds "
-                  "(on/off: throughput ratio)", fmts=["", "", ".1f", ".1f", ".1f", ".2f", ".2f", ".2f", ""]),
+                  "(on/off: median of the rounds' paired throughput ratios, and their range)",
+                  fmts=["", "", ".1f", ".1f", ".1f", ".2f", ".2f", ".2f", ""]),
             f"goal: encryption on >= {goal['target']:.1f}x of off on every path: worst {goal['worst_ratio']:.2f}: "
             f"{'met' if goal['met'] else 'MISSED'}",
             f"raw RecordCipher on one thread ({raw['mib']:.0f} MiB of {raw['record_bytes'] >> 10} KiB records): seal "
