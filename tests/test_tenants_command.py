@@ -20,7 +20,7 @@ from dynamo_tiered_kv.blocks.tenant import tenant_hex, tenant_id
 from dynamo_tiered_kv.cli import main
 from dynamo_tiered_kv.factory import build_store
 from dynamo_tiered_kv.tiers.objectstore.localdir import LocalDirBackend
-from dynamo_tiered_kv.tiers.objectstore.tenants import read_erasures
+from dynamo_tiered_kv.tiers.objectstore.tenants import mark_erased, read_erasures
 
 pytestmark = pytest.mark.usefixtures("no_dtkv_env")
 
@@ -88,6 +88,16 @@ def test_list_erase_and_restore_the_others(tmp_path: Path, capsys) -> None:
 
     rc, out = _cli(capsys, "erase", f"id:{tenant_hex(A)}", url, "--json")
     assert rc == 0 and json.loads(out)["records"] == 0  # idempotent
+    assert main(["fsck", url]) == 0  # nothing of the erased tenant is left
+    capsys.readouterr()
+
+
+def test_fsck_reports_an_erased_tenants_records_still_listed(tmp_path: Path, capsys) -> None:
+    _fill(tmp_path, ssd_dir=None)
+    url = f"file://{tmp_path / 'objects'}"
+    asyncio.run(mark_erased(LocalDirBackend(tmp_path / "objects"), A, time.time()))  # a marker, nothing deleted
+    assert main(["fsck", url]) == 1
+    assert f"tenant {tenant_hex(A)} was erased but 4 of its records are still listed" in capsys.readouterr().out
 
 
 def test_nodes_drop_an_erased_tenant_from_host_and_ssd_at_their_next_refresh(tmp_path: Path, capsys) -> None:

@@ -21,6 +21,7 @@ from .backend import ObjectBackend
 from .layout import NamespaceView, list_namespaces, ns_prefix
 from .manifest import DATA_DIR, MANIFEST_DIR, Manifest, ManifestError
 from .quarantine import read_markers
+from .tenants import ERASURE_DIR, erased_records_left
 from .urls import backend_from_url
 
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -128,6 +129,9 @@ async def fsck_url(target: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, **s3_kwa
             rep.orphans += [pre + o for o in sub.orphans]
             rep.quarantined += [pre + q for q in sub.quarantined]
             rep.problems += [FsckProblem(pre + p.object, p.error, p.key, p.offset) for p in sub.problems]
+        for tenant, n in (await erased_records_left(backend)).items():
+            why = f"tenant {tenant.hex()} was erased but {n} of its records are still listed"
+            rep.problems.append(FsckProblem(f"{ERASURE_DIR}{tenant.hex()}.json", why))
         return rep
     finally:
         await backend.close()

@@ -190,7 +190,17 @@ async def erase_tenant_objects(backend: ObjectBackend, tenant: bytes, *, now: fl
     return rep
 
 
-async def tenant_records_left(backend: ObjectBackend, tenant: bytes) -> int:
-    """Records of ``tenant`` a listing still finds (``dtkv fsck`` after an erase: should be 0)."""
-    holdings = await tenant_holdings(backend)
-    return holdings[tenant].blocks if tenant in holdings else 0
+async def erased_records_left(backend: ObjectBackend) -> dict[bytes, int]:
+    """Records of erased tenants still listed in a manifest created before their erase (``dtkv
+    fsck``: each is an error; records the tenant wrote after its erase are new data)."""
+    erased = await read_erasures(backend)
+    left: dict[bytes, int] = {}
+    if not erased:
+        return left
+    for view in _views(backend, await list_namespaces(backend)):
+        for _, m in await _manifests(view):
+            for e in m.entries:
+                at = erased.get(e.tenant)
+                if at is not None and m.created_at <= at:
+                    left[e.tenant] = left.get(e.tenant, 0) + 1
+    return left
