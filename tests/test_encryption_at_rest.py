@@ -89,12 +89,14 @@ def test_records_at_rest_hold_no_plaintext_and_restore_exactly(tmp_path: Path, m
     runs = _payload_runs(_layout(1), range(6))
     for blob in _files(tmp_path / "ssd") + _files(tmp_path / "objects"):
         assert not any(r in blob for r in runs), "a plaintext run of the KV bytes is on disk"
-    shutil.rmtree(tmp_path / "ssd")  # a fresh node: the bucket serves
-    loaded, dst = _restore(tmp_path)
-    assert loaded == list(range(10, 16))
     src = _layout(1)
-    for j in range(2):
-        assert np.array_equal(dst.layer_views[j][10:16], src.layer_views[j][0:6])
+    for source in ("ssd", "object"):  # the node's SSD serves; then a fresh node: the bucket serves
+        if source == "object":
+            shutil.rmtree(tmp_path / "ssd")
+        loaded, dst = _restore(tmp_path)
+        assert loaded == list(range(10, 16)), source
+        for j in range(2):
+            assert np.array_equal(dst.layer_views[j][10:16], src.layer_views[j][0:6]), source
 
 
 def test_without_encryption_the_same_bytes_are_on_disk_in_clear(tmp_path: Path) -> None:

@@ -105,3 +105,16 @@ def test_deletes_and_overwrites_keep_the_ledger_exact() -> None:
     assert tier.ledger.snapshot() == {A: (2 * REC, 2)}
     asyncio.run(tier.close())
     assert tier.ledger.snapshot() == {}
+
+
+def test_quotas_charge_whole_chunks_so_limits_that_add_up_to_the_arena_fit_in_it() -> None:
+    """Records that fill half a chunk still take a whole one: charging record bytes would let two
+    tenants' limits (half the arena each) need twice the arena, and the flood would then evict the
+    other tenant through the plain LRU order."""
+    tier = HostTier(8 * 2 * REC, chunk_bytes=2 * REC, quotas=TenantQuotas(8 * 2 * REC, default_share=0.5))
+    for i in range(4):
+        _write(tier, A, i)
+    for i in range(50):
+        _write(tier, B, i)
+    assert all(tier.contains(_key(A, i)) for i in range(4)), "the flood evicted a tenant within its quota"
+    assert tier.tenant_usage()[B] == (4 * REC, 4)  # four records: eight chunks' worth of its limit

@@ -18,7 +18,9 @@ into a staging slab): a pinned record's chunks are not reused until ``HostPin.re
 the key is evicted, overwritten or deleted meanwhile (its bytes then briefly count as free).
 
 Tenants (``policy/quotas.py``): every record's tenant (its header's tenant field) is counted in a
-ledger; with quotas, a tenant at its limit evicts its own blocks (per-tenant LRU orders, the same
+ledger (record bytes, ``tenant_usage``) and charged the arena bytes its record takes (whole chunks:
+a 132 KiB record in 256 KiB chunks costs 256 KiB, so limits that add up to the capacity fit in the
+arena); with quotas, a tenant at its limit evicts its own blocks (per-tenant LRU orders, the same
 retention rules) and a full arena evicts tenants over their limit first, so one tenant's traffic
 never evicts another's blocks held within its limit.
 
@@ -79,7 +81,8 @@ class HostTier(Tier):
         self._pins: dict[int, int] = {}  # id(chunk list) -> pin count; a pinned list is alive, so ids are unique
         self._unfreed: dict[int, list[int]] = {}  # pinned chunk lists whose key was dropped
         self._tenant_of: dict[BlockKey, bytes] = {}
-        self.ledger = TenantLedger()
+        self.ledger = TenantLedger()  # record bytes per tenant (``tenant_usage``)
+        self._charged = TenantLedger()  # arena bytes per tenant (whole chunks): what quotas limit
         self._quotas = quotas if quotas is not None and quotas.enforced else None
         # per-tenant LRU orders, kept only when quotas are enforced (a read then moves a key in two)
         self._lru: dict[bytes, OrderedDict[BlockKey, None]] = {}
@@ -222,18 +225,19 @@ class HostTier(Tier):
         tenant = record_tenant(src)
         quotas = self._quotas
         if quotas is not None:  # room within the tenant's own limit, from its own blocks
-            if src.nbytes > quotas.limit(tenant):
-                raise TierFull(f"host tier: a {src.nbytes}-byte record exceeds its tenant's quota")
-            if self.ledger.bytes_of(tenant) + src.nbytes > quotas.limit(tenant):
+            cost = need * self._chunk  # what the record takes from the arena (whole chunks)
+            if cost > quotas.limit(tenant):
+                raise TierFull(f"host tier: a {src.nbytes}-byte record ({cost} in chunks) exceeds its tenant's quota")
+            if self._charged.bytes_of(tenant) + cost > quotas.limit(tenant):
                 self._drop_expired_locked(evicted, tenant)
-            while self.ledger.bytes_of(tenant) + src.nbytes > quotas.limit(tenant):
+            while self._charged.bytes_of(tenant) + cost > quotas.limit(tenant):
                 self._evict_locked(self._victim_locked(tenant), evicted)
         if len(self._free) < need:
             self._drop_expired_locked(evicted)
         while len(self._free) < need:
             if not self._index:  # the rest is pinned by loads in progress
                 raise TierFull(f"host tier: {src.nbytes} bytes do not fit beside pinned records")
-            over = self.ledger.over(quotas) if quotas is not None else []
+            over = self._charged.over(quotas) if quotas is not None else []
             self._evict_locked(self._victim_locked(over[0] if over else None), evicted)
         chunks = [self._free.pop() for _ in range(need)]
         c = self._chunk
@@ -244,6 +248,7 @@ class HostTier(Tier):
         self._used += src.nbytes
         self._tenant_of[key] = tenant
         self.ledger.add(tenant, src.nbytes)
+        self._charged.add(tenant, need * self._chunk)
         if quotas is not None:
             self._lru.setdefault(tenant, OrderedDict())[key] = None
 
@@ -293,6 +298,7 @@ class HostTier(Tier):
             return False
         tenant = self._tenant_of.pop(key)
         self.ledger.remove(tenant, e[0])
+        self._charged.remove(tenant, len(e[1]) * self._chunk)
         if self._quotas is not None:
             order = self._lru[tenant]
             del order[key]
@@ -315,6 +321,7 @@ class HostTier(Tier):
             self._tenant_of.clear()
             self._lru.clear()
             self.ledger.clear()
+            self._charged.clear()
             self._used = 0
 
 
