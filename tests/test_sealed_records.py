@@ -83,3 +83,13 @@ def test_another_tenants_key_does_not_open() -> None:
 def test_headers_too_full_for_a_seal_are_refused() -> None:
     assert seal_room(3, SEAL_BYTES) and seal_room(400, SEAL_BYTES)
     assert not seal_room(495, SEAL_BYTES)  # 128 + 8 * 495 = 4088 bytes: one page, 8 bytes left
+
+
+def test_sealing_from_a_source_leaves_it_unchanged_and_opens_to_it() -> None:
+    _, plain, _ = _encode(T1, 1)
+    before = plain.copy()
+    out = np.full_like(plain, 0xAB)  # whatever the buffer held before
+    seal_record(out, _cipher(), SEAL_BYTES, src=plain)
+    assert np.array_equal(plain, before), "the staging slab was changed"
+    assert is_sealed(out) and open_record(out, _cipher(), SEAL_BYTES)
+    assert np.array_equal(out, before)

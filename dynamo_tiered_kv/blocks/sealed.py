@@ -31,7 +31,7 @@ _U64 = struct.Struct("<Q")
 
 
 class Cipher(Protocol):
-    def seal(self, tenant: bytes, aad: bytes, payload: memoryview) -> bytes: ...
+    def seal(self, tenant: bytes, aad: bytes, payload: memoryview, out: memoryview | None = None) -> bytes: ...
 
     def open(self, tenant: bytes, aad: bytes, payload: memoryview, seal: bytes) -> bool: ...
 
@@ -68,9 +68,16 @@ def seal_room(num_layers: int, seal_bytes: int) -> bool:
     return _TABLE_OFF + 8 * num_layers + seal_bytes <= header_bytes(num_layers)
 
 
-def seal_record(rec: np.ndarray, cipher: Cipher, seal_bytes: int) -> None:
-    """Seal the plain record ``rec`` (a writable uint8 array of one whole record) in place."""
-    nl, hb, pb = _geometry(rec)
+def seal_record(rec: np.ndarray, cipher: Cipher, seal_bytes: int, *, src: np.ndarray | None = None) -> None:
+    """Seal the plain record ``rec`` (a writable uint8 array of one whole record) in place; with
+    ``src`` (a plain record of the same length), seal ``src`` into ``rec`` instead, reading each
+    payload byte once (``src`` is not changed)."""
+    if src is not None:
+        nl, hb, pb = _geometry(src)
+        rec[:hb] = src[:hb]
+        rec[hb + pb :] = src[hb + pb : rec.nbytes]
+    else:
+        nl, hb, pb = _geometry(rec)
     if _FLAGS.unpack_from(rec, 10)[0] & FLAG_SEALED:
         raise ValueError("record is already sealed")
     at = _TABLE_OFF + 8 * nl
@@ -78,7 +85,10 @@ def seal_record(rec: np.ndarray, cipher: Cipher, seal_bytes: int) -> None:
         raise ValueError(f"a {nl}-layer record has no room for a {seal_bytes}-byte seal in its header")
     _FLAGS.pack_into(rec, 10, _FLAGS.unpack_from(rec, 10)[0] | FLAG_SEALED)
     tenant = bytes(rec[112:_FIXED_BYTES])
-    seal = cipher.seal(tenant, _aad(rec, nl), memoryview(rec[hb : hb + pb]))
+    if src is None:
+        seal = cipher.seal(tenant, _aad(rec, nl), memoryview(rec[hb : hb + pb]))
+    else:
+        seal = cipher.seal(tenant, _aad(rec, nl), memoryview(src[hb : hb + pb]), out=memoryview(rec[hb : hb + pb]))
     rec[at : at + len(seal)] = np.frombuffer(seal, np.uint8)
     _resum(rec, nl)
 

@@ -187,8 +187,11 @@ class RecordCipher:
 
     # --- hot path ------------------------------------------------------------------------------
 
-    def seal(self, tenant: bytes, aad: bytes, payload: memoryview | bytearray) -> bytes:
-        """Encrypt ``payload`` (a writable, contiguous buffer) in place; return its seal.
+    def seal(self, tenant: bytes, aad: bytes, payload: memoryview | bytearray,
+             out: memoryview | bytearray | None = None) -> bytes:
+        """Encrypt ``payload`` (a writable, contiguous buffer) in place, or into ``out`` (as long as
+        ``payload``, which is then only read: one pass over the bytes instead of a copy and a pass);
+        return its seal.
 
         Raises:
             TenantKeyUnavailable: no tenant key; ``payload`` is unchanged.
@@ -201,7 +204,10 @@ class RecordCipher:
         w, nonce = self._take_nonce(tenant, key, ref)
         enc = Cipher(algorithms.AES(w.dek), modes.GCM(nonce)).encryptor()
         enc.authenticate_additional_data(_AAD_LABEL + tenant + w.head + aad)
-        _crypt_in_place(enc, _bytes_view(payload))
+        if out is None:
+            _crypt_in_place(enc, _bytes_view(payload))
+        else:
+            _crypt_into(enc, memoryview(payload).cast("B"), _bytes_view(out))
         enc.finalize()
         return w.head + nonce + enc.tag
 
@@ -268,6 +274,17 @@ def _exact_in_place_ok() -> bool:
 
 
 _EXACT_IN_PLACE = _exact_in_place_ok()
+
+
+def _crypt_into(ctx: Any, src: memoryview, dst: memoryview) -> None:
+    """Run a GCM encryptor from ``src`` into ``dst`` (same length, not overlapping)."""
+    if len(src) != len(dst):
+        raise ValueError("out must be as long as the payload")
+    if _EXACT_IN_PLACE:
+        ctx.update_into(src, dst)
+        return
+    dst[:] = src  # releases that want spare output bytes: copy, then the in-place path
+    _crypt_in_place(ctx, dst)
 
 
 def _crypt_in_place(ctx: Any, mv: memoryview) -> None:

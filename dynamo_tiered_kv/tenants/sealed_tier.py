@@ -198,9 +198,8 @@ class SealedTier(Tier):
         for key, data in items:
             n = memoryview(data).nbytes
             rec = buf[pos : pos + n]
-            rec[:] = np.frombuffer(data, np.uint8)
             try:
-                seal_record(rec, self.cipher, SEAL_BYTES)
+                seal_record(rec, self.cipher, SEAL_BYTES, src=np.frombuffer(data, np.uint8))
             except TenantKeyUnavailable as e:
                 self.seal_failures += 1
                 log.warning("%s tier: block %s not written: %s", self.name, key.hex(), e)
