@@ -149,11 +149,14 @@ class SealedTier(Tier):
     async def read_many(self, requests: Sequence[ReadRequest]) -> list[int | None]:
         whole = [r for r in requests if r.byte_range is None]
         got = dict(zip(map(id, whole), await self.inner.read_many(whole), strict=True)) if whole else {}
+        def open_all() -> dict[int, bool]:  # one hop to a thread for the whole batch
+            return {id(r): self._open(r.into[:n]) for r in whole if (n := got[id(r)]) is not None}
+
+        opened = await asyncio.to_thread(open_all) if whole else {}
         out: list[int | None] = []
         for r in requests:
             if r.byte_range is None:
-                n = got[id(r)]
-                out.append(n if n is None else (n if await asyncio.to_thread(self._open, r.into[:n]) else None))
+                out.append(got[id(r)] if opened.get(id(r)) else None)
             else:
                 out.append(await self._read_range(r.key, r.into, r.byte_range))
         return out
