@@ -22,12 +22,15 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..config import settings_cli
 from ..errors import TierUnavailable
 from ._targets import missing_local_root
+
+T = TypeVar("T")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -72,15 +75,33 @@ def run(args: argparse.Namespace) -> int:
     return _list(args.args[0] if args.args else cfg.object_url, settings, args)
 
 
-def _backend(target: str, settings: Any):
+class _Unreachable(Exception):
+    """The target cannot be used; the message is the one line to print."""
+
+
+def _on_bucket(target: str, settings: Any, work: Callable[[Any], Awaitable[T]]) -> T:
+    """``work(backend)`` on the opened bucket ``target``; ``_Unreachable`` for a bad or unreachable
+    target."""
     from ..tiers.objectstore import backend_from_url, is_object_url
 
     if not is_object_url(target):
-        raise ValueError("TARGET must be s3://bucket/prefix or file:///dir (or set object_url)")
+        raise _Unreachable("TARGET must be s3://bucket/prefix or file:///dir (or set object_url)")
     missing = missing_local_root(target)
     if missing:
-        raise ValueError(missing)
-    return backend_from_url(target, **settings.s3_kwargs())
+        raise _Unreachable(missing)
+    backend = backend_from_url(target, **settings.s3_kwargs())
+
+    async def go() -> T:
+        await backend.open()
+        try:
+            return await work(backend)
+        finally:
+            await backend.close()
+
+    try:
+        return asyncio.run(go())
+    except (TierUnavailable, OSError) as e:
+        raise _Unreachable(settings_cli.describe_s3_failure(target, settings, e)) from None
 
 
 def _erase(tenant: bytes, target: str | None, settings: Any, args: argparse.Namespace) -> int:
@@ -89,23 +110,15 @@ def _erase(tenant: bytes, target: str | None, settings: Any, args: argparse.Name
 
     if not target:
         return _fail("no TARGET and no object_url setting: nothing to erase from")
+
+    async def erase(backend: Any) -> tuple[bool, Any]:
+        key_gone = False if args.dry_run else await backend.delete(f"{KEY_PREFIX}{tenant.hex()}")
+        return key_gone, await erase_tenant_objects(backend, tenant, dry_run=args.dry_run)
+
     try:
-        backend = _backend(target, settings)
-    except ValueError as e:
+        key_gone, rep = _on_bucket(target, settings, erase)
+    except _Unreachable as e:
         return _fail(str(e))
-
-    async def go():
-        await backend.open()
-        try:
-            key_gone = False if args.dry_run else await backend.delete(f"{KEY_PREFIX}{tenant.hex()}")
-            return key_gone, await erase_tenant_objects(backend, tenant, dry_run=args.dry_run)
-        finally:
-            await backend.close()
-
-    try:
-        key_gone, rep = asyncio.run(go())
-    except (TierUnavailable, OSError) as e:
-        return _fail(settings_cli.describe_s3_failure(target, settings, e))
     cache_s = settings.config.encryption_key_cache_s
     bound = settings.config.object_refresh_s
     if args.json:
@@ -162,21 +175,9 @@ def _list(target: str | None, settings: Any, args: argparse.Namespace) -> int:
     rows: dict[str, dict[str, Any]] = {}
     if target:
         try:
-            backend = _backend(target, settings)
-        except ValueError as e:
+            held = _on_bucket(target, settings, tenant_holdings)
+        except _Unreachable as e:
             return _fail(str(e))
-
-        async def go():
-            await backend.open()
-            try:
-                return await tenant_holdings(backend)
-            finally:
-                await backend.close()
-
-        try:
-            held = asyncio.run(go())
-        except (TierUnavailable, OSError) as e:
-            return _fail(settings_cli.describe_s3_failure(target, settings, e))
         quotas = tenant_quotas(cfg, "object", cfg.object_capacity_bytes)
         for t, h in held.items():
             rows.setdefault(tenant_hex(t), {})["object"] = {
