@@ -44,12 +44,14 @@ def test_quick_run_reports_every_level_against_the_raw_reads(moto_s3: S3Server, 
     res = json.loads(out_file.read_text())
     assert res["s3_read_concurrency"] == 4 and res["staging_slabs"] == 2
     assert res["tokens"] == 64 and res["blocks_per_session"] == 4
+    assert res["raw_piece_bytes"] > 0 and res["s3_first_byte_timeout_s"] > 0
     assert [lv["sessions"] for lv in res["levels"]] == [2, 4]
     for lv in res["levels"]:
         assert lv["bytes"] == lv["sessions"] * res["bytes_per_session"]
         for k in ("gbps", "raw_gbps", "ratio", "p50_ms", "p99_ms", "raw_p50_ms", "raw_p99_ms"):
             assert lv[k] > 0, k
         assert lv["p99_ms"] >= lv["p50_ms"] and lv["raw_p99_ms"] >= lv["raw_p50_ms"]
+        assert lv["failed_blocks"] == 0
     assert _remaining(moto_s3, bucket) == []  # the run's objects are deleted
     assert [p.name for p in tmp_path.iterdir()] == ["res.json"]  # and its scratch SSD directory
 
