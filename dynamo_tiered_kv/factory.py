@@ -234,6 +234,7 @@ def build_store(config: TieredKVConfig, namespace: Namespace, *, rank: int | Non
             max_concurrency=config.s3_read_concurrency,
             verify_reads=False,  # the store verifies every record it loads and counts failures per tier
             namespace=namespace.digest,  # the identity the tier checks when it verifies reads itself
+            quotas=tenant_quotas(config, "object", config.object_capacity_bytes),
         )
         tiers.append(obj)
         ttls.append(None)  # object retention is the GC's job (dtkv gc), shared across nodes

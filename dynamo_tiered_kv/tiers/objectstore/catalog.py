@@ -2,7 +2,8 @@
 
 Filled from a snapshot (``snapshot.py``), from manifests (parsed straight into numpy columns,
 no per-entry Python objects), and from this node's own publishes. Also keeps this node's
-exclusions (records it stopped serving; local only, never written back to the bucket).
+exclusions (records it stopped serving; local only, never written back to the bucket), and
+what each tenant holds (``tenancy.TenantBook``: live bytes and blocks per tenant, exact).
 Threads: a catalog being built belongs to one worker thread until the tier swaps it in; after
 that every change runs on the tier's event loop. ``len(catalog)``, ``used`` and lookups through
 ``index`` (``CompactObjectIndex.get``) are safe from any thread; names (``data_name``) are
@@ -22,7 +23,8 @@ from ...blocks.keys import KEY_BYTES
 from .index import DEAD, U32_MAX, CompactObjectIndex, ObjectTable, split_keys
 from .layout import manifest_name_ms, parse_data_name, parse_manifest_name
 from .manifest import MAX_RETAIN_S, ManifestError, checked_body, parse_retain
-from .snapshot import OBJ_DTYPE, Snapshot
+from .snapshot import OBJ_DTYPE, Snapshot, SnapshotError, mixed_rows
+from .tenancy import TenantBook
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ class Parsed:
     off: np.ndarray  # int64
     len: np.ndarray  # int64
     retain: tuple[tuple[bytes, int, float | None], ...] = ()  # (key, priority, expiry): optional field
+    tenants: np.ndarray | None = None  # big-endian u64 tenant id per entry; None: all the default tenant's
 
     def retained_until(self) -> float | None:
         """How long retained entries extend this manifest's life past its TTL (None: none retained)."""
@@ -61,11 +64,22 @@ def parse_manifest(raw: bytes) -> Parsed:
             raise ManifestError(f"an entry does not fit a {size}-byte object")
         retain = tuple((keys[i * KEY_BYTES:(i + 1) * KEY_BYTES], p, x)
                        for i, p, x in parse_retain(body.get("retain")) if 0 <= i < len(ents) and 0 < p <= 100)
-        return Parsed(str(body["data"]), size, float(body["created_at"]), keys, off, ln, retain)
+        return Parsed(str(body["data"]), size, float(body["created_at"]), keys, off, ln, retain,
+                      _tenant_column(body.get("tenants"), len(ents)))
     except ManifestError:
         raise
     except (ValueError, KeyError, TypeError, IndexError, OverflowError) as e:
         raise ManifestError(f"unreadable manifest: {type(e).__name__}: {e}") from None
+
+
+def _tenant_column(raw: object, n: int) -> np.ndarray | None:
+    """The optional ``tenants`` field (one 16-hex-digit id per entry) as u64 values, checked as
+    ``manifest.parse_tenants`` checks it."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != n or any(not isinstance(t, str) or len(t) != 16 for t in raw):
+        raise ManifestError("tenants must list one 8-byte tenant id per entry")
+    return np.frombuffer(bytes.fromhex("".join(raw)), ">u8").astype(np.uint64)
 
 
 class Catalog:
@@ -85,12 +99,24 @@ class Catalog:
         self._pending: list[tuple[np.ndarray, ...]] = []
         # retention classes read from manifests (optional field), for the tier to take over
         self.retained: dict[bytes, tuple[int, float | None]] = {}
+        self.tenants = TenantBook()
 
     def __len__(self) -> int:
         return len(self.index)
 
     def nbytes(self) -> int:
-        return self.index.nbytes() + self.objs.nbytes()
+        mixed = sum(o.nbytes + c.nbytes + 200 for o, c in self.tenants.mixed.values())
+        return self.index.nbytes() + self.objs.nbytes() + mixed
+
+    def tenant_usage(self) -> dict[bytes, tuple[int, int]]:
+        """tenant -> (live record bytes, blocks); safe from any thread (``TenantBook.usage``)."""
+        return self.tenants.usage()
+
+    def _set_tenants(self, i: int, offsets: np.ndarray, codes: np.ndarray | None) -> None:
+        self.objs.rows["ten"][i] = self.tenants.set_object(i, offsets, codes)
+
+    def _record_code(self, i: int, offset: int) -> int:
+        return self.tenants.record_code(int(self.objs.rows["ten"][i]), i, offset)
 
     # --- names ----------------------------------------------------------------------------------
     def data_name(self, i: int) -> str:
@@ -150,6 +176,7 @@ class Catalog:
                 continue
             ok = (p.off + p.len <= U32_MAX) & (p.len <= U32_MAX)
             self.refused += int(len(ok) - np.count_nonzero(ok))
+            self._set_tenants(i, p.off[ok], None if p.tenants is None else self.tenants.codes_of(p.tenants[ok]))
             k0, k1 = split_keys(p.keys)
             cols.append((k0[ok], k1[ok], np.full(int(ok.sum()), i, np.uint32), p.off[ok], p.len[ok]))
         if not cols:
@@ -185,41 +212,54 @@ class Catalog:
                 keep[r] = False
         return keep
 
-    def add_fresh(self, name: str, data: str, created_at: float, entries: Iterable[tuple[bytes, int, int]]) -> None:
-        """Index what this node just published (newest wins; lifts this node's exclusions)."""
+    def add_fresh(self, name: str, data: str, created_at: float,
+                  entries: Iterable[tuple[bytes, int, int, bytes]]) -> None:
+        """Index what this node just published, ``(key, offset, length, tenant)`` per record
+        (newest wins; lifts this node's exclusions)."""
         self.finish()
+        ents = list(entries)
         i = self.names(int(created_at * 1000) - 1).get(name)  # a re-publish of the same manifest
         if i is None:
             i = self._register(name, data, created_at, root=False, gone=False)
+        if self.objs.rows["live"][i] == 0:  # new or forgotten: its records' tenants are (re)set
+            self._set_tenants(i, np.array([e[1] for e in ents], np.int64),
+                              np.array([self.tenants.code_of(e[3]) for e in ents], np.uint32))
         self.objs.rows["flags"][i] &= ~np.uint8(ObjectTable.GONE)
-        for key, off, n in entries:  # this node's own write wins in its index
+        for key, off, n, _ in ents:  # this node's own write wins in its index
             self.excl_loc.pop(key, None)
             self.excl_key.discard(key)
             if off + n > U32_MAX:
                 self.refused += 1
                 continue
             old = self.index.put(key, i, off, n)
-            self._account(i, n, old)
+            self._account(i, off, n, old)
 
-    def _account(self, i: int, n: int, old: tuple[int, int, int] | None) -> None:
-        live = self.objs.rows["live"]
-        live[i] += n
-        self.used += n
+    def _account(self, i: int, off: int, n: int, old: tuple[int, int, int] | None) -> None:
         if old is not None:
-            live[old[0]] -= old[2]
-            self.used -= old[2]
+            self._uncount(old)
+        self.objs.rows["live"][i] += n
+        self.used += n
+        self.tenants.count(self._record_code(i, off), n, 1)
+
+    def _uncount(self, old: tuple[int, int, int]) -> None:
+        """The live record at ``old`` (object, offset, length) left the index."""
+        self.objs.rows["live"][old[0]] -= old[2]
+        self.used -= old[2]
+        self.tenants.count(self._record_code(old[0], old[1]), -old[2], -1)
 
     def recount(self) -> None:
-        live = self.index.live_bytes_per_object(self.objs.n)
-        self.objs.rows["live"][:self.objs.n] = live
+        n = self.objs.n
+        live, count = self.index.live_per_object(n)
+        self.objs.rows["live"][:n] = live
         self.used = int(live.sum())
+        mixed = np.fromiter(self.tenants.mixed, np.int64, len(self.tenants.mixed))
+        self.tenants.recount(self.objs.rows["ten"][:n], live, count, self.index.live_rows_of(mixed))
 
     # --- removing -------------------------------------------------------------------------------
     def remove(self, key: bytes) -> tuple[int, int, int] | None:
         old = self.index.remove(key)
         if old is not None:
-            self.objs.rows["live"][old[0]] -= old[2]
-            self.used -= old[2]
+            self._uncount(old)
         return old
 
     def forget(self, ids: Sequence[int] | np.ndarray) -> None:
@@ -230,6 +270,7 @@ class Catalog:
         self.finish()
         self.objs.rows["flags"][ids] |= ObjectTable.GONE
         self.index.remove_objects(ids.astype(np.uint32))
+        self.tenants.forget_objects(ids)
         self.recount()
 
     def exclude(self, key: bytes, data: str, offset: int) -> None:
@@ -257,19 +298,6 @@ class Catalog:
                 out[loc[0]] = max(out.get(loc[0], -1), r)
         return out
 
-    def oldest_until(self, bytes_to_free: int, ranks: dict[int, int] | None = None) -> np.ndarray:
-        """Objects to drop to free ``bytes_to_free``: the oldest first, within retention ranks
-        (``object_ranks``: expired -1 first, ordinary 0, then protected by priority)."""
-        v = self.objs.view
-        cand = np.flatnonzero(((v["flags"] & ObjectTable.GONE) == 0) & (v["live"] > 0))
-        if ranks:
-            rk = np.array([ranks.get(int(i), 0) for i in cand], dtype=np.int64)
-            order = cand[np.lexsort((v["created"][cand], rk))]
-        else:
-            order = cand[np.argsort(v["created"][cand], kind="stable")]
-        freed = np.cumsum(v["live"][order])
-        return order[:int(np.searchsorted(freed, bytes_to_free)) + 1]
-
     # --- snapshots ------------------------------------------------------------------------------
     def to_snapshot(self, retained: Mapping[bytes, tuple[int, float | None]] | None = None) -> Snapshot:
         """The compacted index; ``retained``: retention classes to carry, of indexed keys only."""
@@ -285,13 +313,26 @@ class Catalog:
         odd = {int(remap[i]): names for i, names in self.objs.odd.items() if keep[i]}
         live = obj != DEAD
         kept = {k: r for k, r in (retained or {}).items() if self.index.get(k) is not None}
+        mixed = [(int(remap[i]), offs, codes) for i, (offs, codes) in sorted(self.tenants.mixed.items()) if keep[i]]
         return Snapshot(objects, odd, k0[live], k1[live], remap[obj[live]].astype(np.uint32), off[live], ln[live],
-                        self.watermark_ms, retained=kept)
+                        self.watermark_ms, retained=kept, tenants=list(self.tenants.ids),
+                        object_tenants=v["ten"][keep].copy(), mixed=mixed_rows(mixed))
 
     def load_snapshot(self, s: Snapshot, cutoff: float | None) -> None:
+        """Start from ``s``. Raises ``SnapshotError`` for one that predates tenants (version 1
+        or 2): it cannot tell whose records it lists (docs/OBJECTS.md, "Tenants")."""
+        if s.tenants is None or s.object_tenants is None:
+            raise SnapshotError("the snapshot does not name its records' tenants (written before version 3)")
         rows = np.zeros(len(s.objects), ObjectTable.DTYPE)
         for f in ("mdig", "ddig", "ms", "created", "flags"):
             rows[f] = s.objects[f]
+        rows["ten"] = s.object_tenants
+        self.tenants = TenantBook(s.tenants)
+        if s.mixed is not None and len(s.mixed):
+            bounds = np.flatnonzero(np.diff(s.mixed["obj"])) + 1
+            for part in np.split(s.mixed, bounds):
+                self.tenants.mixed[int(part["obj"][0])] = (part["off"].astype(np.uint32),
+                                                           part["code"].astype(np.uint32))
         self.objs = ObjectTable(rows)
         self.objs.odd = dict(s.odd)
         self.index.load_sorted(s.k0, s.k1, s.obj, s.off, s.len)

@@ -286,18 +286,35 @@ class CompactObjectIndex:
         g = self._pub
         return g.k0, g.k1, g.obj, g.off, g.len.decode()
 
-    def live_bytes_per_object(self, n_objects: int) -> np.ndarray:
+    def live_per_object(self, n_objects: int) -> tuple[np.ndarray, np.ndarray]:
+        """(live bytes, live blocks) per object id, int64."""
         g = self._pub
         # in chunks: whole-column temporaries (intp ids, f64 weights) cost ~1 s of page faults at 10M
         acc = np.zeros(n_objects, np.float64)
+        cnt = np.zeros(n_objects, np.int64)
         for i in range(0, len(g.obj), CHUNK):
             obj, ln = g.obj[i:i + CHUNK], g.len.decode(slice(i, i + CHUNK))
             live = obj != DEAD
             acc += np.bincount(obj[live], weights=ln[live], minlength=n_objects)[:n_objects]
+            cnt += np.bincount(obj[live], minlength=n_objects)[:n_objects]
         out = acc.astype(np.int64)
         for o, _, n in g.delta.values():
             out[o] += n
-        return out
+            cnt[o] += 1
+        return out, cnt
+
+    def live_rows_of(self, objs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(object, offset, length) of every live row of the given object ids (int64 columns)."""
+        g = self._pub
+        e = np.empty(0, np.int64)
+        if len(objs) == 0:
+            return e, e, e
+        hit = np.flatnonzero(np.isin(g.obj, objs) & (g.obj != DEAD))
+        drop = set(int(o) for o in objs)
+        d = np.array([v for v in g.delta.values() if v[0] in drop], np.int64).reshape(-1, 3)
+        return (np.concatenate([g.obj[hit].astype(np.int64), d[:, 0]]),
+                np.concatenate([g.off[hit].astype(np.int64), d[:, 1]]),
+                np.concatenate([g.len.decode(hit).astype(np.int64), d[:, 2]]))
 
     # --- bulk operations ------------------------------------------------------------------------
     def compact(self) -> None:
@@ -381,7 +398,8 @@ class ObjectTable:
 
     ``mdig``/``ddig``: manifest and data digests; ``ms``: the created-at ms of a new-style
     manifest name (-1: legacy name); ``created``: created_at; ``live``: live record bytes;
-    ``flags``: ``ROOT`` (legacy root layout), ``GONE`` (forgotten). Names that are not canonical
+    ``flags``: ``ROOT`` (legacy root layout), ``GONE`` (forgotten); ``ten``: the tenant code of
+    its records (``tenancy.TenantBook``; ``MIXED``: several). Names that are not canonical
     (written by other tools) are kept in ``odd``.
 
     Owner: the catalog's owner (see ``catalog.py``); read and changed there only.
@@ -391,7 +409,7 @@ class ObjectTable:
     GONE = 2
     # digests as u1[16], not "S16": numpy strips trailing NUL bytes from S fields
     DTYPE = np.dtype([("mdig", "u1", (16,)), ("ddig", "u1", (16,)), ("ms", "<i8"), ("created", "<f8"),
-                      ("live", "<i8"), ("flags", "u1")])
+                      ("live", "<i8"), ("flags", "u1"), ("ten", "<u4")])
 
     def __init__(self, rows: np.ndarray | None = None) -> None:
         self.rows = np.zeros(16, self.DTYPE) if rows is None else rows
@@ -410,7 +428,7 @@ class ObjectTable:
         r = self.rows[i]
         r["mdig"] = np.frombuffer(mdig.ljust(16, b"\0"), np.uint8)
         r["ddig"] = np.frombuffer(ddig.ljust(16, b"\0"), np.uint8)
-        r["ms"], r["created"], r["live"], r["flags"] = ms, created, 0, flags
+        r["ms"], r["created"], r["live"], r["flags"], r["ten"] = ms, created, 0, flags, 0
         self.n += 1
         return i
 

@@ -21,7 +21,10 @@
 * When a key is in several manifests (two nodes flushed the same prefix), the newest wins.
 * Capacity: when live bytes exceed ``capacity_bytes`` the oldest objects are dropped (manifest
   deleted; the data becomes an orphan that ``gc`` removes after its grace period, so readers
-  that still hold the old index keep working meanwhile).
+  that still hold the old index keep working meanwhile). Tenants (``tenancy.py``): each
+  tenant's live bytes and blocks are counted (``tenant_usage``); with quotas a tenant over its
+  limit loses its own oldest objects, and a full namespace drops objects of tenants over their
+  limit first. Every node enforces both on its own view of the bucket (docs/OBJECTS.md).
 * Faults surface as ``TierUnavailable`` within ``read_timeout_s`` (plus the end of a local-directory
   pread already running); the store treats them as misses. The backend's retries share that
   budget (``retry.shared_deadline``): one stuck attempt takes its share, not all of it. When
@@ -40,13 +43,13 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from ...blocks.codec import verify_record
 from ...blocks.keys import BlockKey
 from ...errors import NamespaceMismatch, RecordError, TierUnavailable
+from ...policy.quotas import TenantQuotas
 from ..base import (
     ByteRange,
     ReadRequest,
@@ -61,6 +64,7 @@ from ..segments import SegmentEntry
 from .backend import ObjectBackend
 from .catalog import Catalog, Parsed, parse_manifest
 from .expiry import adopt_retention, expire_pass, object_ranks, retained_classes
+from .handles import IndexView, ObjectRef, Want, cancel_and_wait
 from .index import release_free_heap
 from .layout import SNAPSHOT_NAME, NamespaceView, manifest_after, ns_prefix
 from .manifest import MANIFEST_DIR, Manifest, ManifestError
@@ -71,6 +75,7 @@ from .snapshot import decode as decode_snapshot
 from .snapshot import encode as encode_snapshot
 from .snapshot import fetch as fetch_snapshot
 from .stats import ObjectTierStats
+from .tenancy import capacity_victims
 from .tenants import EraseReport, erase_in_view, read_erasures
 from .writes import ObjectWrites
 
@@ -80,47 +85,6 @@ DEFAULT_CAPACITY_BYTES = 1 << 50  # the bucket is the bound; set a real budget i
 DEFAULT_TTL_S = 14 * 86400.0
 LIST_LAG_MS = 120_000  # incremental listings re-cover 2 min: clock skew, manifests still in flight
 INGEST_BATCH = 4096  # manifests fetched and indexed per step
-
-
-@dataclass(frozen=True, slots=True)
-class _Ref:
-    data: str
-
-
-class _Obj:
-    """A handle on one indexed object, made on lookup (the index itself holds only numbers)."""
-
-    __slots__ = ("_cat", "id", "manifest")
-
-    def __init__(self, cat: Catalog, i: int) -> None:
-        self.id, self._cat = i, cat
-        self.manifest = _Ref(cat.data_name(i))
-
-    @property
-    def live(self) -> range:
-        return range(int(np.count_nonzero(self._cat.index.obj == self.id)))
-
-
-class _IndexView:
-    """``key -> (_Obj, SegmentEntry)`` over the catalog, as the read path expects it."""
-
-    def __init__(self, tier: ObjectTier) -> None:
-        self._tier = tier
-
-    def get(self, key: BlockKey) -> tuple[_Obj, SegmentEntry] | None:
-        cat = self._tier._cat
-        loc = cat.index.get(key)
-        return None if loc is None else (_Obj(cat, loc[0]), SegmentEntry(key, loc[1], loc[2]))
-
-
-@dataclass
-class _Want:
-    offset: int  # absolute offset in the data object
-    length: int
-    index: int  # position in the request list
-    dest: memoryview
-    key: BlockKey
-    whole: bool  # a whole record (verifiable)
 
 
 class ObjectTier(ObjectWrites, Tier):
@@ -139,6 +103,8 @@ class ObjectTier(ObjectWrites, Tier):
         origin: tag written into manifests (node name), for operators.
         namespace: expected namespace digest of every record; verifying reads then check the
             full identity (a foreign tenant's record with the same key bytes is a miss).
+        quotas: per-tenant byte limits (``policy.quotas``; None or not ``enforced``: none), held
+            on this node's view of the namespace (module docstring).
     """
 
     name = "object"
@@ -154,7 +120,7 @@ class ObjectTier(ObjectWrites, Tier):
                  ttl_s: float | None = DEFAULT_TTL_S, verify_reads: bool = True, read_timeout_s: float = 30.0,
                  max_concurrency: int = 8, refresh_interval_s: float | None = None, origin: str = "",
                  namespace: bytes | None = None, snapshot_every: int = 64, full_refresh_every: int = 10,
-                 read_legacy: bool = True) -> None:
+                 read_legacy: bool = True, quotas: TenantQuotas | None = None) -> None:
         if capacity_bytes <= 0 or max_concurrency < 1 or read_timeout_s <= 0:
             raise ValueError("capacity_bytes, max_concurrency and read_timeout_s must be positive")
         self.root_backend = backend
@@ -171,9 +137,10 @@ class ObjectTier(ObjectWrites, Tier):
         self.snapshot_every = snapshot_every
         self.full_refresh_every = full_refresh_every
         self.read_legacy = read_legacy and namespace is not None
+        self.quotas = quotas if quotas is not None and quotas.enforced else None
         self.stats = ObjectTierStats()
         self._cat = Catalog(namespaced=namespace is not None)
-        self._index = _IndexView(self)
+        self._index = IndexView(self)
         self._fresh: list[Manifest] = []  # own publishes while the index builds (replayed on swap)
         self._suspect_data: set[str] = set()  # data objects with a record found corrupt here (writes.py)
         self._lock = asyncio.Lock()
@@ -220,12 +187,25 @@ class ObjectTier(ObjectWrites, Tier):
     def usage(self) -> TierUsage:
         return TierUsage(self.capacity_bytes, self._cat.used, len(self._cat))
 
+    def tenant_usage(self) -> dict[bytes, tuple[int, int]]:
+        """Live record bytes and blocks of each tenant in this node's view of the namespace."""
+        return self._cat.tenant_usage()
+
+    def tenant_limit(self, tenant: str) -> int:
+        """``Tier.tenant_limit``: the tenant's quota here (``tenant`` in hex), else the capacity."""
+        if self.quotas is None:
+            return self.capacity_bytes
+        try:
+            return self.quotas.limit(bytes.fromhex(tenant))
+        except ValueError:  # a holder that names no tenant id: the default share
+            return self.quotas.limit(b"")
+
     def location(self, key: BlockKey) -> tuple[str, SegmentEntry] | None:
         """(data object name, entry) of ``key``; for tools and tests."""
         loc = self._index.get(key)
         return None if loc is None else (loc[0].manifest.data, loc[1])
 
-    def _forget(self, obj: _Obj) -> None:
+    def _forget(self, obj: ObjectRef) -> None:
         """Drop an object from the index (remote state untouched)."""
         if obj._cat is self._cat:
             self._cat.forget([obj.id])
@@ -330,7 +310,7 @@ class ObjectTier(ObjectWrites, Tier):
         await asyncio.to_thread(cat.finish)
         async with self._lock:
             for m in self._fresh:
-                cat.add_fresh(m.name, m.data, m.created_at, ((e.key, e.offset, e.length) for e in m.entries))
+                cat.add_fresh(m.name, m.data, m.created_at, ((e.key, e.offset, e.length, e.tenant) for e in m.entries))
             # then the exclusions as they stand now (a write after a delete already lifted its
             # own): a key deleted after this node wrote it stays deleted
             for key in self._cat.excl_key:
@@ -425,7 +405,7 @@ class ObjectTier(ObjectWrites, Tier):
 
     async def read_many(self, requests: Sequence[ReadRequest]) -> list[int | None]:
         results: list[int | None] = [None] * len(requests)
-        by_obj: dict[str, tuple[_Obj, list[_Want]]] = {}
+        by_obj: dict[str, tuple[ObjectRef, list[Want]]] = {}
         for i, r in enumerate(requests):
             loc = self._index.get(r.key)
             if loc is None:
@@ -434,8 +414,8 @@ class ObjectTier(ObjectWrites, Tier):
             off, n = check_range(e.length, r.into, r.byte_range)
             whole = r.byte_range is None or (off == 0 and n == e.length)
             by_obj.setdefault(obj.manifest.data, (obj, []))[1].append(
-                _Want(e.offset + off, n, i, r.into[:n], r.key, whole))
-        runs: list[tuple[_Obj, list[_Want]]] = []
+                Want(e.offset + off, n, i, r.into[:n], r.key, whole))
+        runs: list[tuple[ObjectRef, list[Want]]] = []
         for obj, wants in by_obj.values():
             wants.sort(key=lambda w: w.offset)
             run = [wants[0]]
@@ -461,7 +441,7 @@ class ObjectTier(ObjectWrites, Tier):
             except BaseException as e:
                 # The runs scatter into the callers' buffers, which the caller reuses once we raise:
                 # stop every run and wait until none of them can write any more.
-                await _cancel_and_wait(tasks)
+                await cancel_and_wait(tasks)
                 timed_out = isinstance(e, (asyncio.TimeoutError, TimeoutError))
                 if budget is not None and limit < self.read_timeout_s and (timed_out or isinstance(e, DeadlineReached)):
                     budget.gave_up = "budget"
@@ -470,13 +450,13 @@ class ObjectTier(ObjectWrites, Tier):
                 raise
         return results
 
-    def _expected_s(self, runs: list[tuple[_Obj, list[_Want]]]) -> float:
+    def _expected_s(self, runs: list[tuple[ObjectRef, list[Want]]]) -> float:
         """Expected time of ``runs`` (one GET each, ``max_concurrency`` at a time); 0 when unknown."""
         longest = max(sum(w.length for w in run) for _, run in runs)
         one = self.root_backend.expected_get_s(longest)
         return 0.0 if one is None else one * -(-len(runs) // self.max_concurrency)
 
-    async def _read_run(self, obj: _Obj, run: list[_Want], results: list[int | None]) -> None:
+    async def _read_run(self, obj: ObjectRef, run: list[Want], results: list[int | None]) -> None:
         async with self._sem:
             got = await self.backend.get_range(obj.manifest.data, run[0].offset, [w.dest for w in run])
         self.stats.gets += 1
@@ -511,7 +491,7 @@ class ObjectTier(ObjectWrites, Tier):
             return e
         return None
 
-    async def _reread(self, data: str, w: _Want, first: RecordError) -> tuple[RecordError | None, bool]:
+    async def _reread(self, data: str, w: Want, first: RecordError) -> tuple[RecordError | None, bool]:
         """Read ``w`` again. Returns (error or None, whether the outcome is certain: False when
         the re-read could not be done, so the first failure stands but is not confirmed)."""
         try:
@@ -565,10 +545,14 @@ class ObjectTier(ObjectWrites, Tier):
         return True
 
     def _enforce_capacity_locked(self) -> None:
+        """Drop objects past the capacity and, with quotas, past tenants' limits (``tenancy.py``)."""
         cat = self._cat
-        if cat.used <= self.capacity_bytes:
+        if cat.used <= self.capacity_bytes and (self.quotas is None or not cat.tenants.over(self.quotas)):
             return
-        victims = cat.oldest_until(cat.used - self.capacity_bytes, object_ranks(self._retention, cat))
+        victims = capacity_victims(cat.tenants, cat.objs.view, cat.used, self.capacity_bytes, self.quotas,
+                                   object_ranks(self._retention, cat))
+        if not len(victims):
+            return
         names = [cat.manifest_name(int(i)) for i in victims]
         gone = cat.index.keys_of(np.asarray(victims, dtype=np.int64)) if self._residency_hook is not None else []
         cat.forget(victims)
@@ -588,20 +572,3 @@ class ObjectTier(ObjectWrites, Tier):
         task = asyncio.get_running_loop().create_task(guarded())
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
-
-
-async def _cancel_and_wait(tasks: list[asyncio.Future[None]]) -> None:
-    """Cancel ``tasks`` and wait until every one has finished, even if we are cancelled meanwhile."""
-    for t in tasks:
-        t.cancel()
-    cancelled = False
-    while not all(t.done() for t in tasks):
-        try:
-            await asyncio.wait(tasks)
-        except asyncio.CancelledError:
-            cancelled = True
-    for t in tasks:  # mark their outcomes retrieved (the caller raises its own error)
-        if not t.cancelled():
-            t.exception()
-    if cancelled:
-        raise asyncio.CancelledError

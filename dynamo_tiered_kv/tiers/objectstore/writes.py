@@ -37,6 +37,7 @@ from .quarantine import has_markers
 from .retry import shared_deadline, with_timeout
 
 if TYPE_CHECKING:
+    from ...policy.quotas import TenantQuotas
     from ...policy.retention import RetentionClasses
     from .catalog import Catalog
     from .stats import ObjectTierStats
@@ -54,6 +55,7 @@ class ObjectWrites:
     backend: ObjectBackend
     stats: ObjectTierStats
     capacity_bytes: int
+    quotas: TenantQuotas | None
     origin: str
     read_timeout_s: float
     ttl_s: float | None
@@ -65,6 +67,7 @@ class ObjectWrites:
     _backend_open: asyncio.Event
     _since_snapshot: int
     _suspect_data: set[str]  # data objects this node found a corrupt record in
+    _newest_created: float = 0.0  # created_at of this node's newest publish (on the tier's loop)
     _retention: RetentionClasses | None
     if TYPE_CHECKING:
         _enforce_capacity_locked: Callable[[], None]
@@ -94,6 +97,14 @@ class ObjectWrites:
             buf[pos:pos + v.nbytes] = v
             entries.append(SegmentEntry(k, pos, v.nbytes, record_tenant(v)))
             pos += v.nbytes
+        if self.quotas is not None:  # an object past its tenant's quota would only be evicted again
+            per: dict[bytes, int] = {}
+            for e in entries:
+                per[e.tenant] = per.get(e.tenant, 0) + e.length
+            for tenant, n in per.items():
+                if n > self.quotas.limit(tenant):
+                    raise TierFull(f"{n} bytes of tenant {tenant.hex()} exceed its object tier quota "
+                                   f"{self.quotas.limit(tenant)}")
         digest = content_digest(total, entries, lambda o, n: bytes(buf[o:o + n]))
         m = await self._publish(digest, memoryview(buf), total, tuple(entries), self.origin)
         # Other manifests listing these keys are left alone (they may be other nodes' only
@@ -118,7 +129,8 @@ class ObjectWrites:
         async with self._lock:
             if not self._ready.is_set():
                 self._fresh.append(m)  # replayed into the index being built when it is swapped in
-            self._cat.add_fresh(m.name, m.data, m.created_at, ((e.key, e.offset, e.length) for e in m.entries))
+            self._cat.add_fresh(m.name, m.data, m.created_at,
+                                ((e.key, e.offset, e.length, e.tenant) for e in m.entries))
             self._enforce_capacity_locked()
         self._since_snapshot += 1
         if self.snapshot_every and self._since_snapshot >= self.snapshot_every and self._ready.is_set():
@@ -132,7 +144,7 @@ class ObjectWrites:
                 await asyncio.wait_for(self._backend_open.wait(), self.read_timeout_s)
             except (asyncio.TimeoutError, TimeoutError):
                 raise TierUnavailable(f"object store {self.backend.url} is not open yet") from None
-        dname, bypassed = await self._put_data(digest, src)
+        dname, bypassed, fresh = await self._put_data(digest, src)
         # created_at = the data object's server mtime (its first publish) when recent: a redo after
         # a crash, or another node flushing the same records, then writes the very same manifest
         # name (time-ordered names would otherwise duplicate); an old tombstoned orphan restarts
@@ -142,6 +154,9 @@ class ObjectWrites:
         created = info.mtime if info is not None and 0 <= now - info.mtime < REDO_WINDOW_S else now
         if bypassed is not None:  # newer than the damaged copy's manifests, which it must outrank
             created = max(created, bypassed + 0.001)  # (mtimes may have whole seconds only)
+        if fresh:  # after this node's earlier publishes: its overwrites win on every node, though
+            created = max(created, self._newest_created + 0.001)  # S3 mtimes have whole seconds
+        self._newest_created = max(self._newest_created, created)
         m = Manifest(dname, size, created, entries, origin,
                      retain_field(self._retention, [e.key for e in entries]))  # optional: retained blocks
         await self.backend.put_object(m.name, m.to_bytes(), if_absent=True)  # only after the data
@@ -155,9 +170,9 @@ class ObjectWrites:
             await self.backend.put_object(dname, src, if_absent=True)
         raise TierUnavailable(f"data object {dname} keeps vanishing after upload")
 
-    async def _put_data(self, digest: str, src: memoryview | FileSource) -> tuple[str, float | None]:
-        """Store the data object of content ``digest`` (conditional create). Returns its name and
-        the mtime of the newest copy passed over (None: none).
+    async def _put_data(self, digest: str, src: memoryview | FileSource) -> tuple[str, float | None, bool]:
+        """Store the data object of content ``digest`` (conditional create). Returns its name,
+        the mtime of the newest copy passed over (None: none) and whether this call created it.
 
         A copy already stored under the name is reused unless a record of it was reported
         corrupt (module docstring); then the next alternate name is tried, up to
@@ -172,14 +187,14 @@ class ObjectWrites:
             dname = data_name(digest if n == 0 else alternate_digest(digest, n))
             if await self.backend.put_object(dname, src, if_absent=True):
                 self.stats.objects_published += 1
-                return dname, bypassed
+                return dname, bypassed, True
             # One LIST, only when the content is already there (a redo, or another node's upload).
             if dname not in self._suspect_data and not await has_markers(self.backend, dname):
                 self.stats.objects_deduplicated += 1
                 # It may be an orphan that gc tombstoned: clear the tombstone before our manifest
                 # exists, so a gc that checks it before deleting spares the object.
                 await self.backend.delete(tombstone_name(dname))
-                return dname, bypassed
+                return dname, bypassed, False
             self.stats.corrupt_copies_bypassed += 1
             info = await self.backend.head(dname)
             bypassed = max(bypassed or 0.0, info.mtime) if info is not None else bypassed
