@@ -284,7 +284,8 @@ class Flusher:
         Returns the bytes left out (0: the file was uploaded whole).
 
         Raises:
-            OSError: the segment could not be read or the copy written (the segment is retried).
+            OSError: the segment file could not be read (the segment is retried; a copy that
+                cannot be written only means the file is uploaded whole).
             TierUnavailable: the store failed; nothing half-written is visible.
         """
         dead = seg.size - sum(e.length for e in seg.entries)
