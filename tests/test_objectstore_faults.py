@@ -8,7 +8,6 @@ returns or raises ``TierUnavailable`` within its bounded timeouts.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -26,18 +25,6 @@ pytest_plugins = ["infra.fixtures_s3"]
 HANG_GUARD_S = 30  # a call still running after this is a hang (the bounds below are ~1-3 s)
 FAST = RetryPolicy(max_attempts=3, base_delay_s=0.01, max_delay_s=0.05, attempt_timeout_s=1.0)
 
-
-@pytest.fixture(params=["moto_s3", pytest.param("ceph_s3", marks=pytest.mark.s3)])
-def server(request: pytest.FixtureRequest) -> S3Server:
-    return request.getfixturevalue(request.param)
-
-
-@pytest.fixture
-async def proxy(server: S3Server) -> AsyncIterator[FaultProxy]:
-    host, port = server.endpoint.rsplit("//", 1)[1].split(":")
-    p = await FaultProxy(host, int(port)).start()
-    yield p
-    await p.stop()
 
 
 async def _tier(server: S3Server, proxy: FaultProxy, **kw: object) -> ObjectTier:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -34,18 +33,6 @@ BLOCKS = 8
 TIMEOUT_S = 30.0  # the load's own deadline: what a stalled bucket cost before the budget
 MARGIN_S = 3.0  # a loaded 2-core box
 
-
-@pytest.fixture(params=["moto_s3", pytest.param("ceph_s3", marks=pytest.mark.s3)])
-def server(request: pytest.FixtureRequest) -> S3Server:
-    return request.getfixturevalue(request.param)
-
-
-@pytest.fixture
-async def proxy(server: S3Server) -> AsyncIterator[FaultProxy]:
-    host, port = server.endpoint.rsplit("//", 1)[1].split(":")
-    p = await FaultProxy(host, int(port)).start()
-    yield p
-    await p.stop()
 
 
 def _layout() -> EngineLayout:

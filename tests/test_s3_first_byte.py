@@ -9,7 +9,6 @@ is bounded by the body idle timeout instead, however long it takes in all.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 from infra.faultproxy import FaultProxy
@@ -24,18 +23,6 @@ pytest_plugins = ["infra.fixtures_s3"]
 HANG_GUARD_S = 20  # past this the read waited for its whole budget (30 s)
 PATHS = pytest.mark.parametrize("direct", [True, False], ids=["direct", "aiobotocore"])
 
-
-@pytest.fixture(params=["moto_s3", pytest.param("ceph_s3", marks=pytest.mark.s3)])
-def server(request: pytest.FixtureRequest) -> S3Server:
-    return request.getfixturevalue(request.param)
-
-
-@pytest.fixture
-async def proxy(server: S3Server) -> AsyncIterator[FaultProxy]:
-    host, port = server.endpoint.rsplit("//", 1)[1].split(":")
-    p = await FaultProxy(host, int(port)).start()
-    yield p
-    await p.stop()
 
 
 async def _backend(server: S3Server, proxy: FaultProxy, **kw: object) -> S3Backend:

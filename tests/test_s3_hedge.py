@@ -48,11 +48,6 @@ class _ClosingProxy(FaultProxy):
                 self.stalled_closed += 1
 
 
-@pytest.fixture(params=["moto_s3", pytest.param("ceph_s3", marks=pytest.mark.s3)])
-def server(request: pytest.FixtureRequest) -> S3Server:
-    return request.getfixturevalue(request.param)
-
-
 @pytest.fixture
 async def proxy(server: S3Server) -> AsyncIterator[_ClosingProxy]:
     host, port = server.endpoint.rsplit("//", 1)[1].split(":")

@@ -15,11 +15,12 @@ import shutil
 import socket
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+from .faultproxy import FaultProxy
 from .s3util import S3Server
 
 CEPH_SCRIPT = Path(__file__).with_name("ceph_rgw.sh")
@@ -76,3 +77,18 @@ def ceph_s3() -> Iterator[S3Server]:
     finally:
         subprocess.run([str(CEPH_SCRIPT), "stop", d], env=senv, timeout=60)
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(params=["moto_s3", pytest.param("ceph_s3", marks=pytest.mark.s3)])
+def server(request: pytest.FixtureRequest) -> S3Server:
+    """Each test that takes it runs on moto and on Ceph RGW (marked ``s3``)."""
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture
+async def proxy(server: S3Server) -> AsyncIterator[FaultProxy]:
+    """A fault-injecting TCP proxy in front of ``server`` (``infra.faultproxy``)."""
+    host, port = server.endpoint.rsplit("//", 1)[1].split(":")
+    p = await FaultProxy(host, int(port)).start()
+    yield p
+    await p.stop()

@@ -240,7 +240,6 @@ class ObjectTier(ObjectWrites, Tier):
                             self.backend.url, e, delay)
                 await asyncio.sleep(delay)
                 delay = min(30.0, delay * 2)
-        await self._read_erasures()
         if self.refresh_interval_s and self._refresher is None:
             self._refresher = asyncio.create_task(self._refresh_loop())
 
@@ -322,6 +321,7 @@ class ObjectTier(ObjectWrites, Tier):
             adopt_retention(self._retention, cat)
             self._enforce_capacity_locked()
         await asyncio.to_thread(release_free_heap)  # the build's garbage, before it counts as ours
+        await self._read_erasures()  # part of the index: a started node knows them when it is ready
         self._ready.set()
         self.available = True
         self.stats.index_build_s = time.monotonic() - t0
