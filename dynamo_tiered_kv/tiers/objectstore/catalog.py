@@ -24,7 +24,7 @@ from .index import DEAD, U32_MAX, CompactObjectIndex, ObjectTable, split_keys
 from .layout import manifest_name_ms, parse_data_name, parse_manifest_name
 from .manifest import MAX_RETAIN_S, ManifestError, checked_body, parse_retain
 from .snapshot import OBJ_DTYPE, Snapshot, SnapshotError, mixed_rows
-from .tenancy import TenantBook
+from .tenancy import MIXED, TenantBook
 
 log = logging.getLogger(__name__)
 
@@ -248,12 +248,25 @@ class Catalog:
         self.tenants.count(self._record_code(old[0], old[1]), -old[2], -1)
 
     def recount(self) -> None:
+        """Live bytes per object, ``used`` and the per-tenant totals, from the index (one pass)."""
         n = self.objs.n
-        live, count = self.index.live_per_object(n)
+        acc = np.zeros(n, np.float64)
+        count = np.zeros(n, np.int64)
+        codes = self.objs.rows["ten"][:n]
+        is_mixed = codes == MIXED
+        mixed = self.tenants.mixed_table() if bool(is_mixed.any()) else None
+        totals = self.tenants.fresh_totals()
+        for obj, off, ln in self.index.live_chunks():
+            acc += np.bincount(obj, weights=ln, minlength=n)[:n]
+            count += np.bincount(obj, minlength=n)[:n]
+            if mixed is not None:
+                m = is_mixed[obj]
+                if bool(m.any()):
+                    self.tenants.count_rows(mixed, obj[m], off[m], ln[m], totals)
+        live = acc.astype(np.int64)
         self.objs.rows["live"][:n] = live
         self.used = int(live.sum())
-        mixed = np.fromiter(self.tenants.mixed, np.int64, len(self.tenants.mixed))
-        self.tenants.recount(self.objs.rows["ten"][:n], live, count, self.index.live_rows_of(mixed))
+        self.tenants.finish_recount(codes, live, count, totals)
 
     # --- removing -------------------------------------------------------------------------------
     def remove(self, key: bytes) -> tuple[int, int, int] | None:

@@ -93,25 +93,39 @@ class TenantBook:
         self.bytes[code] += nbytes
         self.blocks[code] += blocks
 
-    def recount(self, obj_codes: np.ndarray, live: np.ndarray, count: np.ndarray,
-                mixed_rows: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
-        """Totals from scratch: per object code, live bytes and blocks (``live``, ``count``, one
-        entry per object), plus the live rows (object, offset, length) of mixed objects."""
+    def mixed_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """(keys ``object << 32 | offset`` ascending, codes) of every mixed object's records, for
+        ``count_rows`` (a recount's temporary: 16 B per record of the mixed objects)."""
+        ids = sorted(self.mixed)
+        keys = np.concatenate([(np.uint64(o) << np.uint64(32)) | self.mixed[o][0].astype(np.uint64) for o in ids])
+        codes = np.concatenate([self.mixed[o][1].astype(np.int64) for o in ids])
+        return keys, codes
+
+    def count_rows(self, table: tuple[np.ndarray, np.ndarray], obj: np.ndarray, off: np.ndarray,
+                   ln: np.ndarray, into: tuple[np.ndarray, np.ndarray]) -> None:
+        """Add live rows (object, offset, length) of mixed objects, their codes from ``table``,
+        to ``into`` (bytes, blocks per code: a recount's totals being built)."""
+        keys, codes = table
+        want = (obj.astype(np.uint64) << np.uint64(32)) | off.astype(np.uint64)
+        c = codes[np.minimum(np.searchsorted(keys, want), len(keys) - 1)]
+        n = len(self.ids)
+        into[0][:] += np.bincount(c, weights=ln, minlength=n).round().astype(np.int64)
+        into[1][:] += np.bincount(c, minlength=n)
+
+    def finish_recount(self, obj_codes: np.ndarray, live: np.ndarray, count: np.ndarray,
+                       into: tuple[np.ndarray, np.ndarray]) -> None:
+        """Add the single-tenant objects' live bytes and blocks (``live``, ``count``: one entry
+        per object) to ``into`` and publish it as the totals (one swap: readers on other threads
+        see the old totals or the new ones)."""
         n = len(self.ids)
         single = obj_codes != MIXED
         c = obj_codes[single].astype(np.int64)
-        nbytes = np.bincount(c, weights=live[single], minlength=n).round().astype(np.int64)
-        blocks = np.bincount(c, weights=count[single], minlength=n).round().astype(np.int64)
-        obj, off, ln = mixed_rows
-        if len(obj):
-            codes = np.empty(len(obj), np.int64)
-            for o in np.unique(obj).tolist():
-                sel = obj == o
-                offs, cs = self.mixed[int(o)]
-                codes[sel] = cs[np.minimum(np.searchsorted(offs, off[sel]), len(offs) - 1)]
-            nbytes += np.bincount(codes, weights=ln, minlength=n).round().astype(np.int64)
-            blocks += np.bincount(codes, minlength=n)
+        nbytes = into[0] + np.bincount(c, weights=live[single], minlength=n).round().astype(np.int64)
+        blocks = into[1] + np.bincount(c, weights=count[single], minlength=n).round().astype(np.int64)
         self.bytes, self.blocks = nbytes, blocks
+
+    def fresh_totals(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros(len(self.ids), np.int64), np.zeros(len(self.ids), np.int64)
 
     def usage(self) -> dict[bytes, tuple[int, int]]:
         """tenant -> (live bytes, blocks) of every tenant holding a block (a copy)."""
