@@ -208,6 +208,25 @@ class TierConformanceTests:
         finally:
             await t.close()
 
+    async def test_erase_tenant_drops_exactly_that_tenants_records(self, tier: Tier) -> None:
+        """``erase_tenant`` (a cluster-wide erasure applied here) drops every record of the tenant
+        and none of another's; the dropped keys are reported as evicted and read as misses."""
+        hook = _Hook()
+        tier.set_residency_hook(hook)
+        gone, kept = bytes([7]) * 8, bytes([8]) * 8
+        recs = {}
+        for i in range(6):
+            key = random_key(700 + i)
+            tenant = gone if i % 2 else kept
+            recs[key] = (tenant, make_record(key, i, tenant=tenant))
+            await tier.write(key, memoryview(recs[key][1]))
+        assert await tier.erase_tenant(gone) == 3
+        for key, (tenant, rec) in recs.items():
+            got = await _read(tier, key, len(rec))
+            assert (got is None) if tenant == gone else (got == rec)
+        assert sorted(k for k, (t, _) in recs.items() if t == gone) == sorted(set(hook.evicted_keys))
+        assert await tier.erase_tenant(gone) == 0
+
     async def test_concurrent_writes_and_reads(self, tier: Tier) -> None:
         items = [_rec(300 + i, size_class=i) for i in range(16)]
         await asyncio.gather(*(tier.write(k, memoryview(v)) for k, v in items))

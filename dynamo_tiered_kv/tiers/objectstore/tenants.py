@@ -61,9 +61,10 @@ class EraseReport:
     deleted_data: int = 0
     errors: int = 0
     namespaces: list[str] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list, repr=False)  # the records' keys (not reported)
 
     def to_dict(self) -> dict[str, object]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "keys"}
 
 
 def _views(backend: ObjectBackend, namespaces: Sequence[str]) -> list[ObjectBackend]:
@@ -155,6 +156,7 @@ async def erase_in_view(view: ObjectBackend, tenant: bytes, rep: EraseReport, *,
             continue
         touched = True
         rep.records += len(theirs)
+        rep.keys += [e.key for e in theirs]
         if dry_run:
             continue
         keep = [e for e in m.entries if e.tenant != tenant]

@@ -252,11 +252,14 @@ class ObjectTier(ObjectWrites, Tier):
 
     async def erase_tenant(self, tenant: bytes) -> int:
         """The tenant's records leave this namespace once more (a node may have flushed some between
-        the command and this pass), then a full re-listing drops them from this node's index."""
-        before = len(self._cat)
-        await erase_in_view(self.backend, tenant, EraseReport(tenant.hex()))
+        the command and this pass), then a full re-listing drops them from this node's index. The
+        records of manifests the command already removed left the index at an earlier refresh."""
+        rep = EraseReport(tenant.hex())
+        await erase_in_view(self.backend, tenant, rep)
         await self.refresh(full=True)
-        return max(0, before - len(self._cat))
+        gone = [k for k in rep.keys if not self.contains(k)]
+        self._report_evicted(gone)
+        return len(gone)
 
     async def close(self) -> None:
         for t in (self._refresher, self._starter):
