@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import shutil
 import time
@@ -19,6 +20,7 @@ from test_factory import NS, _config, _layout
 
 from dynamo_tiered_kv.blocks.keys import chain_keys, parents_of
 from dynamo_tiered_kv.blocks.tenant import tenant_id
+from dynamo_tiered_kv.errors import ConfigError
 from dynamo_tiered_kv.factory import build_store, key_source
 from dynamo_tiered_kv.tenants.keystore import TenantKeyStore
 from dynamo_tiered_kv.tenants.sealed_tier import SealedTier
@@ -145,6 +147,26 @@ def test_an_erased_tenant_stops_opening_on_a_fresh_node(tmp_path: Path, monkeypa
 
 def test_encryption_needs_a_key_source(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.delenv("DTKV_TENANT_KEKS", raising=False)
-    with pytest.raises(Exception, match="DTKV_TENANT_KEKS|key"):
+    with pytest.raises(ConfigError, match=r"DTKV_TENANT_KEKS"):
         build_store(_sealed_config(tmp_path), NS).close()
     assert not os.path.exists(tmp_path / "ssd" / "tenant-keys")
+
+
+def _kek_text(*seeds: int, current: int) -> str:
+    keys = [f"v{s}={base64.b64encode(np.random.default_rng(s).integers(0, 256, 32, dtype=np.uint8).tobytes()).decode()}"
+            for s in seeds]
+    return ";".join([*keys, f"current=v{current}"])
+
+
+def test_rotate_keys_rewraps_and_the_old_kek_can_go(tmp_path: Path, monkeypatch, capsys) -> None:
+    from dynamo_tiered_kv.cli import main
+
+    _kek(monkeypatch, 1)
+    _offload_and_flush(tmp_path)
+    shutil.rmtree(tmp_path / "ssd")
+    monkeypatch.setenv("DTKV_TENANT_KEKS", _kek_text(1, 2, current=2))
+    assert main(["tenants", "rotate-keys", f"file://{tmp_path / 'objects'}", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rewrapped"] == [ACME.hex()]
+    monkeypatch.setenv("DTKV_TENANT_KEKS", _kek_text(2, current=2))  # the old version is gone
+    loaded, _ = _restore(tmp_path)
+    assert loaded == list(range(10, 16))

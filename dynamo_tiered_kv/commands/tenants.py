@@ -9,6 +9,9 @@
   rewrite every object holding its records, and leave the erasure marker every node applies to
   its host and SSD tiers at its next index refresh (docs/TENANTS.md). TENANT is a name,
   ``id:<16 hex>`` or ``default``.
+* ``dtkv tenants rotate-keys [TARGET]``: re-wrap every tenant key in the bucket under the current
+  key-encryption key version of ``encryption_keys`` (run it once every node holds the new version;
+  then the old version may leave the key source; docs/ENCRYPTION.md).
 
 Settings (endpoint, credentials, ``object_url``, ``tenant_salt``, quotas) are the connector's:
 flags, ``DYN_TIERED_KV_*`` env vars, ``--config`` / ``DYN_TIERED_KV_CONFIG_FILE``.
@@ -35,8 +38,8 @@ T = TypeVar("T")
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tenants", help="tenants: bytes held per tier, ids, erasure")
-    p.add_argument("action", nargs="?", default="list", choices=["list", "id", "erase"],
-                   help="list (default), id NAME, erase TENANT")
+    p.add_argument("action", nargs="?", default="list", choices=["list", "id", "erase", "rotate-keys"],
+                   help="list (default), id NAME, erase TENANT, rotate-keys")
     p.add_argument("args", nargs="*", help="id: NAME; erase: TENANT [TARGET]; list: [TARGET]")
     p.add_argument("--ssd", help="also count the records of this SSD directory (a node's ssd_dir)")
     p.add_argument("--dry-run", action="store_true", help="erase: report what would go, change nothing")
@@ -70,6 +73,10 @@ def run(args: argparse.Namespace) -> int:
             return _fail(str(e))
         target = args.args[1] if len(args.args) == 2 else cfg.object_url
         return _erase(tenant, target, settings, args)
+    if args.action == "rotate-keys":
+        if len(args.args) > 1:
+            return _fail("usage: dtkv tenants rotate-keys [TARGET]")
+        return _rotate(args.args[0] if args.args else cfg.object_url, settings, args)
     if len(args.args) > 1:
         return _fail("usage: dtkv tenants [list] [TARGET] [--ssd DIR]")
     return _list(args.args[0] if args.args else cfg.object_url, settings, args)
@@ -134,6 +141,33 @@ def _erase(tenant: bytes, target: str | None, settings: Any, args: argparse.Name
                   f"{bound if bound else 'off: restart them'}) and stop opening its sealed records within "
                   f"encryption_key_cache_s ({cache_s:g}s)")
     return 1 if rep.errors else 0
+
+
+def _rotate(target: str | None, settings: Any, args: argparse.Namespace) -> int:
+    from ..blocks.tenant import tenant_hex
+    from ..errors import ConfigError
+    from ..factory import key_source
+    from ..tenants.keystore import TenantKeyStore
+
+    if not target:
+        return _fail("no TARGET and no object_url setting: no key store to rotate")
+    try:
+        keks = key_source(settings.config)
+    except ConfigError as e:
+        return _fail(f"encryption_keys: {e}")
+    try:
+        rep = _on_bucket(target, settings, lambda backend: TenantKeyStore(backend, keks).rotate())
+    except _Unreachable as e:
+        return _fail(str(e))
+    out = {"version": rep.version, "rewrapped": [tenant_hex(t) for t in rep.rewrapped],
+           "already_current": [tenant_hex(t) for t in rep.already_current],
+           "unreadable": [tenant_hex(t) for t in rep.unreadable]}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"tenant keys now wrapped under {rep.version}: {len(rep.rewrapped)} re-wrapped, "
+              f"{len(rep.already_current)} already current, {len(rep.unreadable)} unreadable by any held version")
+    return 1 if rep.unreadable else 0
 
 
 def _ssd_holdings(root: Path) -> dict[bytes, list[int]]:
