@@ -35,6 +35,7 @@ from ..config import settings_cli
 from ..tiers.objectstore.backend import ObjectBackend, ObjectInfo, Source
 from ..tiers.objectstore.index import release_free_heap
 from ..tiers.objectstore.layout import manifest_name, ns_prefix
+from ..tiers.objectstore.tenants import ERASURE_DIR
 
 NS_A = Namespace("dtkv-bench-index-a", "bfloat16", "KV_SPLIT", 16, 2, 2, 64)
 NS_B = Namespace("dtkv-bench-index-b", "bfloat16", "KV_SPLIT", 16, 2, 2, 64)
@@ -73,6 +74,9 @@ class _Counting(ObjectBackend):
 
     def _see(self, name: str) -> None:
         parts = name.split("/")
+        if name.startswith(ERASURE_DIR):  # the bucket's tenant erasure markers: every node reads them
+            self.by_ns["erasures"] += 1
+            return
         self.by_ns["/".join(parts[:2]) if parts[0] == "ns" and len(parts) > 1 else "root"] += 1
 
     async def open(self) -> None:
@@ -233,7 +237,7 @@ async def _tier_runs(args: argparse.Namespace, url: str, s3: dict[str, Any], out
                                      "B" if k == ns_prefix(NS_B.digest).rstrip("/") else k): v
                                     for k, v in sorted(total.items())}
     out["requests_for_other_namespace"] = sum(v for k, v in total.items()
-                                              if k != ns_prefix(NS_A.digest).rstrip("/"))
+                                              if k not in (ns_prefix(NS_A.digest).rstrip("/"), "erasures"))
 
 
 def _peak_rss() -> int:
