@@ -4,10 +4,9 @@ refresh), every tier of this store drops that tenant's blocks (``Tier.erase_tena
 
 Bound: a node applies an erasure within ``interval_s`` of its object tier seeing the marker, so
 within ``object_refresh_s + interval_s`` of the command (docs/TENANTS.md). A node that starts
-later applies every marker still in the bucket at its first refresh, so an SSD that was offline
-during the erase is cleaned before it serves again... provided its object tier refreshed first:
-the store opens every tier before serving, and the object tier's first listing happens in
-``open``.
+later applies every marker still in the bucket within ``interval_s`` of its object index being
+built (the markers are read as part of the build); until then, for those seconds, its own SSD may
+still serve the tenant's blocks (with encryption, not once the tenant's key is gone).
 
 Threads: the pass runs on the store's loop (``background``); tiers do their deletes there too.
 """
