@@ -94,3 +94,15 @@ class TenantLedger:
     def clear(self) -> None:
         self._bytes.clear()
         self._blocks.clear()
+
+
+def holder_limit(quotas: TenantQuotas | None, tenant: str, capacity_bytes: int) -> int:
+    """``Tier.tenant_limit``: the limit of ``tenant`` named as hint holders name it (hex), on a tier
+    of ``capacity_bytes`` with ``quotas`` (None: the capacity). A holder that names no tenant id
+    has the default share."""
+    if quotas is None:
+        return capacity_bytes
+    try:
+        return quotas.limit(bytes.fromhex(tenant))
+    except ValueError:
+        return quotas.limit(b"")

@@ -42,7 +42,7 @@ import numpy as np
 from ..blocks.codec import record_tenant
 from ..blocks.keys import BlockKey
 from ..errors import TierFull
-from ..policy.quotas import TenantLedger, TenantQuotas
+from ..policy.quotas import TenantLedger, TenantQuotas, holder_limit
 from ..staging.slabs import Slab
 from .base import ByteRange, ReadRequest, Tier, TierCapabilities, TierUsage, check_range
 
@@ -104,12 +104,7 @@ class HostTier(Tier):
             return TierUsage(self._capacity, self._used, len(self._index))
 
     def tenant_limit(self, tenant: str) -> int:
-        if self._quotas is None:
-            return self._capacity
-        try:
-            return self._quotas.limit(bytes.fromhex(tenant))
-        except ValueError:  # a holder that names no tenant id: the default share
-            return self._quotas.limit(b"")
+        return holder_limit(self._quotas, tenant, self._capacity)
 
     async def erase_tenant(self, tenant: bytes) -> int:
         with self._lock:

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 from .backend import BackendStats
+from .handles import cancel_and_wait
 from .latency import GetLatency
 
 T = TypeVar("T")
@@ -194,21 +195,7 @@ def _answered(attempts: list[Attempt], owner: Attempt | None) -> Attempt | None:
 async def _stop(attempts: list[Attempt]) -> None:
     """Cancel the attempts still running and wait until each has ended (its connection closed),
     even if the caller is cancelled meanwhile (then re-raised)."""
-    tasks = [a.task for a in attempts if a.task is not None]
-    for t in tasks:
-        if not t.done():
-            t.cancel()
-    cancelled = False
-    while not all(t.done() for t in tasks):
-        try:
-            await asyncio.wait(tasks)
-        except asyncio.CancelledError:
-            cancelled = True
-    for t in tasks:  # outcomes retrieved: no "exception was never retrieved" noise
-        if not t.cancelled():
-            t.exception()
-    if cancelled:
-        raise asyncio.CancelledError
+    await cancel_and_wait([a.task for a in attempts if a.task is not None])
 
 
 def _first_error(attempts: list[Attempt]) -> BaseException:

@@ -49,7 +49,7 @@ import numpy as np
 from ...blocks.codec import verify_record
 from ...blocks.keys import BlockKey
 from ...errors import NamespaceMismatch, RecordError, TierUnavailable
-from ...policy.quotas import TenantQuotas
+from ...policy.quotas import TenantQuotas, holder_limit
 from ..base import (
     ByteRange,
     ReadRequest,
@@ -193,12 +193,7 @@ class ObjectTier(ObjectWrites, Tier):
 
     def tenant_limit(self, tenant: str) -> int:
         """``Tier.tenant_limit``: the tenant's quota here (``tenant`` in hex), else the capacity."""
-        if self.quotas is None:
-            return self.capacity_bytes
-        try:
-            return self.quotas.limit(bytes.fromhex(tenant))
-        except ValueError:  # a holder that names no tenant id: the default share
-            return self.quotas.limit(b"")
+        return holder_limit(self.quotas, tenant, self.capacity_bytes)
 
     def location(self, key: BlockKey) -> tuple[str, SegmentEntry] | None:
         """(data object name, entry) of ``key``; for tools and tests."""

@@ -44,7 +44,7 @@ import numpy as np
 
 from ...blocks.codec import ALIGN
 from ...blocks.keys import BlockKey
-from ...policy.quotas import TenantQuotas
+from ...policy.quotas import TenantQuotas, holder_limit
 from ..base import ReadRequest, Tier, TierCapabilities, TierExpiry, TierUsage
 from ..segments import SealedSegment
 from . import metrics
@@ -247,13 +247,7 @@ class SSDTier(Tier):
 
     def tenant_limit(self, tenant: str) -> int:
         """``Tier.tenant_limit``: the tenant's quota here (``tenant`` in hex), else the capacity."""
-        quotas = self._state.tenants.quotas
-        if quotas is None:
-            return self._state.capacity
-        try:
-            return quotas.limit(bytes.fromhex(tenant))
-        except ValueError:  # a holder that names no tenant id: the default share
-            return quotas.limit(b"")
+        return holder_limit(self._state.tenants.quotas, tenant, self._state.capacity)
 
     def tenant_usage(self) -> dict[bytes, tuple[int, int]]:
         """Live record bytes and blocks each tenant holds here (a copy)."""
