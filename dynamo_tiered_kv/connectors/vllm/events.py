@@ -23,6 +23,15 @@ the engine (TP x PP ranks) holds its shard there. Stored is announced once the l
 reported it, removed as soon as the first one dropped it, whatever step each rank reported in.
 Block hashes are the connector's token hashes (first 8 bytes as an int), chained through
 ``parent_block_hash``. Emitted only with ``--kv-events-config '{"enable_kv_cache_events": true}'``.
+
+Tenants: every stored and removed event names its blocks' tenant in one more field,
+``dtkv_tenant``: the tenant id as 16 hex digits (``blocks.tenant``: a keyed digest of the request's
+``cache_salt``, never the salt; ``0000000000000000`` for requests without one). vLLM's event
+classes have no such field, so the events are ``TenantBlockStored``/``TenantBlockRemoved``:
+subclasses that keep vLLM's tag, so on the wire they are vLLM's tagged maps with one more key.
+Decoders that do not know it skip it (msgspec with vLLM's classes, Dynamo's router, which reads
+known keys and ignores the rest); a router or indexer that accounts by tenant reads it. The
+events of one run or removal batch share one tenant (a run breaks where the tenant changes).
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import msgspec
 from vllm.distributed import kv_events as _kv_events
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 
+from ...blocks.tenant import DEFAULT_TENANT, tenant_hex
 from ...policy.residency import DISK, EXTERNAL, HOST
 
 
@@ -118,18 +128,46 @@ class TieredKVEvents(KVConnectorKVEvents):
         self._workers = 0
 
 
+class TenantBlockStored(BlockStored, tag="BlockStored"):  # type: ignore[call-arg]
+    """vLLM's ``BlockStored`` and the blocks' tenant (module docstring): same tag, one more field."""
+
+    #: the blocks' tenant id, 16 hex digits (``blocks.tenant.tenant_hex``); None: not known
+    dtkv_tenant: str | None = None
+
+    def __hash__(self) -> int:  # vLLM's hash leaves out fields it does not know
+        return hash((super().__hash__(), self.dtkv_tenant))
+
+
+class TenantBlockRemoved(BlockRemoved, tag="BlockRemoved"):  # type: ignore[call-arg]
+    """vLLM's ``BlockRemoved`` and the blocks' tenant (module docstring): same tag, one more field."""
+
+    #: the blocks' tenant id, 16 hex digits (``blocks.tenant.tenant_hex``); None: not known
+    dtkv_tenant: str | None = None
+
+    def __hash__(self) -> int:
+        return hash((super().__hash__(), self.dtkv_tenant))
+
+
+def event_tenant(event: KVCacheEvent) -> bytes | None:
+    """The tenant id an event of ours names (``dtkv_tenant``), or None for any other event."""
+    text = getattr(event, "dtkv_tenant", None)
+    return bytes.fromhex(text) if text else None
+
+
 def block_stored(token_hashes: Sequence[bytes], parent: bytes | None, token_ids: Sequence[int],
                  block_size: int, *, medium: str, lora_id: int | None = None,
-                 lora_name: str | None = None) -> BlockStored:
-    """One event for a run of consecutive blocks of one tier (of one LoRA adapter, or the base model)."""
-    return BlockStored(block_hashes=[external_hash(h) for h in token_hashes],
-                       parent_block_hash=external_hash(parent) if parent else None,
-                       token_ids=list(token_ids), block_size=block_size, lora_id=lora_id,
-                       lora_name=lora_name, **_where(medium))
+                 lora_name: str | None = None, tenant: bytes = DEFAULT_TENANT) -> TenantBlockStored:
+    """One event for a run of consecutive blocks of one tier (of one LoRA adapter, or the base
+    model, and one tenant)."""
+    return TenantBlockStored(block_hashes=[external_hash(h) for h in token_hashes],
+                             parent_block_hash=external_hash(parent) if parent else None,
+                             token_ids=list(token_ids), block_size=block_size, lora_id=lora_id,
+                             lora_name=lora_name, dtkv_tenant=tenant_hex(tenant), **_where(medium))
 
 
-def block_removed(hashes: Sequence[int], medium: str) -> BlockRemoved:
-    return BlockRemoved(block_hashes=list(hashes), **_where(medium))
+def block_removed(hashes: Sequence[int], medium: str, tenant: bytes = DEFAULT_TENANT) -> TenantBlockRemoved:
+    """One event for blocks of one tenant that one tier dropped."""
+    return TenantBlockRemoved(block_hashes=list(hashes), dtkv_tenant=tenant_hex(tenant), **_where(medium))
 
 
 # --- worker side -------------------------------------------------------------------------------
@@ -140,6 +178,7 @@ class _Block:
     tokens: array
     lora_id: int | None
     lora_name: str | None
+    tenant: bytes
     mediums: set[str]
 
 
@@ -163,9 +202,10 @@ class BlockResidency:
 
     def track(self, keys: Sequence[bytes], token_hashes: Sequence[bytes], parent: bytes | None,
               token_ids: Sequence[int], *, lora_id: int | None = None, lora_name: str | None = None,
-              holders: Callable[[bytes], Iterable[str]] | None = None) -> None:
+              tenant: bytes = DEFAULT_TENANT, holders: Callable[[bytes], Iterable[str]] | None = None) -> None:
         """Remember blocks about to be offloaded (``token_hashes[i]`` is ``keys[i]``'s, chained from
-        ``parent``). ``holders(key)``: mediums already holding a newly tracked key (announced now)."""
+        ``parent``), of the request's ``tenant`` (``blocks.tenant``). ``holders(key)``: mediums
+        already holding a newly tracked key (announced now)."""
         bs = self.block_size
         fresh: list[bytes] = []
         with self._lock:
@@ -174,7 +214,7 @@ class BlockResidency:
                 b = self._blocks.get(k)
                 if b is None:
                     self._blocks[k] = _Block(h, prev, array("I", token_ids[i * bs:(i + 1) * bs]), lora_id,
-                                             lora_name, set())
+                                             lora_name, tenant, set())
                     fresh.append(k)
                 else:
                     self._blocks.move_to_end(k)
@@ -189,13 +229,17 @@ class BlockResidency:
                     self._stored_locked(m, ks)
 
     def _trim_locked(self) -> None:
-        gone: dict[str, list[int]] = {}
+        gone: dict[tuple[str, bytes], list[int]] = {}
         while len(self._blocks) > self.max_blocks:
             _, b = self._blocks.popitem(last=False)
             for m in b.mediums:  # no longer accounted for: the router must not keep it
-                gone.setdefault(m, []).append(external_hash(b.token_hash))
-        for m, hashes in gone.items():
-            self._events.append(block_removed(hashes, m))
+                gone.setdefault((m, b.tenant), []).append(external_hash(b.token_hash))
+        self._removed_locked(gone)
+
+    def _removed_locked(self, gone: dict[tuple[str, bytes], list[int]]) -> None:
+        """One removal event per (medium, tenant) of ``gone``."""
+        for (m, tenant), hashes in gone.items():
+            self._events.append(block_removed(hashes, m, tenant))
 
     def stored(self, medium: str, keys: Sequence[bytes]) -> None:
         with self._lock:
@@ -210,8 +254,8 @@ class BlockResidency:
                 continue
             b.mediums.add(medium)
             self._blocks.move_to_end(bytes(k))
-            if run and (b.parent != run[-1].token_hash or (b.lora_id, b.lora_name) != (run[0].lora_id,
-                                                                                      run[0].lora_name)):
+            if run and (b.parent != run[-1].token_hash
+                        or (b.lora_id, b.lora_name, b.tenant) != (run[0].lora_id, run[0].lora_name, run[0].tenant)):
                 self._flush_run(medium, run)
             run.append(b)
         self._flush_run(medium, run)
@@ -223,30 +267,29 @@ class BlockResidency:
         for b in run:
             tokens.extend(b.tokens)
         self._events.append(block_stored([b.token_hash for b in run], run[0].parent, tokens, self.block_size,
-                                         medium=medium, lora_id=run[0].lora_id, lora_name=run[0].lora_name))
+                                         medium=medium, lora_id=run[0].lora_id, lora_name=run[0].lora_name,
+                                         tenant=run[0].tenant))
         run.clear()
 
     def removed(self, medium: str, keys: Sequence[bytes]) -> None:
         with self._lock:
-            hashes = []
+            gone: dict[tuple[str, bytes], list[int]] = {}
             for k in keys:
                 b = self._blocks.get(bytes(k))
                 if b is not None and medium in b.mediums:  # unknown or never announced: nothing to say
                     b.mediums.discard(medium)
-                    hashes.append(external_hash(b.token_hash))
-            if hashes:
-                self._events.append(block_removed(hashes, medium))
+                    gone.setdefault((medium, b.tenant), []).append(external_hash(b.token_hash))
+            self._removed_locked(gone)
 
     def reset(self) -> None:
         """Cache reset (new weights): every announced block is unusable; say so and forget them all."""
         with self._lock:
-            gone: dict[str, list[int]] = {}
+            gone: dict[tuple[str, bytes], list[int]] = {}
             for b in self._blocks.values():
                 for m in b.mediums:
-                    gone.setdefault(m, []).append(external_hash(b.token_hash))
+                    gone.setdefault((m, b.tenant), []).append(external_hash(b.token_hash))
             self._blocks.clear()
-            for m, hashes in gone.items():
-                self._events.append(block_removed(hashes, m))
+            self._removed_locked(gone)
 
     def take(self) -> list[KVCacheEvent]:
         with self._lock:

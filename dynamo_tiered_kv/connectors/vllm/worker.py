@@ -265,7 +265,7 @@ class WorkerRole:
         parent = spec.token_hashes[0] if spec.first_index > 0 else None
         tiers = [(t, medium_of(t)) for t in store.tiers]
         self._residency.track(keys, own[:n], parent, spec.token_ids[:n * self.block_size], lora_id=spec.lora_id,
-                              lora_name=spec.lora_name,
+                              lora_name=spec.lora_name, tenant=spec.tenant,
                               holders=lambda k: [m for t, m in tiers if m is not None and t.contains(k)])
 
     def take_kv_events(self) -> Any:

@@ -12,6 +12,15 @@ block from the SSD never withdraws its object-tier announcement.
 The store reports residency by our block key (``residency``); events need vLLM's offload key, so
 the keys this tier stored or looked up are remembered in a bounded LRU. A key not remembered
 (found on disk at start, written by another node, aged out) produces no event.
+
+Tenants: these events cannot name one. vLLM's scheduler builds the ``BlockStored``/``BlockRemoved``
+it publishes from an ``OffloadingEvent`` (keys, medium, locality, ownership, and two flags) and the
+block metadata it recorded itself; nothing else a tier returns reaches the event. ``ownership`` is
+the tier's identity in vLLM's residency tracking and stays that. Every block of this tier belongs
+to the deployment's tenant anyway (the tier learns no request's ``cache_salt``; docs/TENANTS.md),
+so a router attributes this worker's events to that tenant by deployment. That tenant's id (a
+digest of the deployment's ``tenant_salt``, ``DynamoTieredKVTier.tenant``) is the one the tier's
+records, ``dtkv tenants`` listings and ``dtkv_tenant_*`` metrics show.
 """
 
 from __future__ import annotations
