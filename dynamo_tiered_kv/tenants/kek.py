@@ -19,8 +19,20 @@ With a single version, ``current`` may be omitted. Version ids are 1-32 characte
 Malformed material raises ``ConfigError`` naming the origin (path or variable) and the version,
 never the key bytes; ``repr``/``str`` show versions only.
 
+Following a rotated source: a file or directory source re-reads itself when it changes, so a
+rotated Kubernetes Secret reaches running workers without a restart. Each read of the keys
+(``current``, ``current_key``, ``get``, ``versions``) at most once per ``check_s`` (5 s by
+default) stats the origin (the file, or the directory, its ``..data`` link and every entry,
+following symlinks: the kubelet swaps ``..data`` to a new directory atomically); when the stat
+changed, the origin is re-read and swapped in whole. New wraps then use the new current version;
+older versions still in the source stay readable; a version gone from the source no longer opens
+anything it wrapped (a miss for those tenants). A change that does not parse keeps the keys in
+use (logged, retried at the next change). An environment variable cannot change under a running
+process: ``from_env`` sources never re-read themselves.
+
 Threading: a ``KeySource`` is an immutable snapshot swapped whole by ``reload``; any thread may
-read it at any time.
+read it at any time. The change check runs on the reading thread (a stat, and a small read when
+the origin changed); one thread checks at a time, the others read the keys in use meanwhile.
 """
 
 from __future__ import annotations
@@ -28,13 +40,18 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import logging
 import os
 import re
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: bytes in a KEK (AES-256)
 KEK_BYTES = 32
@@ -42,6 +59,10 @@ KEK_BYTES = 32
 CURRENT = "current"
 #: environment variable read by ``KeySource.from_env`` by default
 DEFAULT_ENV = "DTKV_TENANT_KEKS"
+#: seconds between two checks of a file or directory source for a change (module docstring)
+RELOAD_CHECK_S = 5.0
+#: the link a mounted Kubernetes Secret swaps to publish a new version of its files
+_K8S_DATA = "..data"
 
 # At most 32 characters: a base64 key (43 characters before its padding) is never a valid id,
 # so a key written where an id belongs is refused as an invalid id, which errors do not echo.
@@ -125,6 +146,33 @@ def parse_keys(text: str, origin: str) -> tuple[dict[str, bytes], str | None]:
     return _parse_text(text, origin)
 
 
+def _stat_stamp(path: Path) -> Hashable:
+    """What identifies the current content of ``path`` (symlinks followed) without reading it."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        return ("missing", e.errno)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _file_stamp(path: Path) -> Callable[[], Hashable]:
+    return lambda: _stat_stamp(path)
+
+
+def _dir_stamp(path: Path) -> Callable[[], Hashable]:
+    """The directory, where its ``..data`` link points, and every visible entry (followed)."""
+
+    def stamp() -> Hashable:
+        try:
+            names = sorted(n for n in os.listdir(path) if not n.startswith("."))
+            data = os.readlink(path / _K8S_DATA) if (path / _K8S_DATA).is_symlink() else None
+        except OSError as e:
+            return ("missing", e.errno)
+        return _stat_stamp(path), data, tuple((n, _stat_stamp(path / n)) for n in names)
+
+    return stamp
+
+
 class KeySource:
     """Versioned KEKs and the current version (module docstring for the origins and formats).
 
@@ -143,6 +191,13 @@ class KeySource:
         self._reader: Any = None  # re-reads the origin for reload(); None for in-memory sources
         # one tuple, swapped whole: a reader never sees new keys with an old current version
         self._state: tuple[dict[str, bytes], str] = self._validated(dict(keys), current, origin)
+        # following changes of the origin (file and directory sources; module docstring)
+        self._stamp: Callable[[], Hashable] | None = None
+        self._seen: Hashable = None  # the origin's stamp when it was last read
+        self.check_s = RELOAD_CHECK_S
+        self._clock: Callable[[], float] = time.monotonic
+        self._next_check = 0.0
+        self._checking = threading.Lock()
 
     @staticmethod
     def _validated(keys: dict[str, bytes], current: str | None, origin: str) -> tuple[dict[str, bytes], str]:
@@ -172,8 +227,10 @@ class KeySource:
         return cls(keys, current, origin=origin)
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> KeySource:
-        """From a file in the text or JSON form; ``reload`` re-reads it."""
+    def from_file(cls, path: str | os.PathLike[str], *, check_s: float = RELOAD_CHECK_S,
+                  clock: Callable[[], float] = time.monotonic) -> KeySource:
+        """From a file in the text or JSON form; ``reload`` re-reads it, and so does any read of
+        the keys once the file changed (checked at most every ``check_s`` seconds of ``clock``)."""
         p = Path(path)
         origin = f"file:{p}"
 
@@ -184,12 +241,13 @@ class KeySource:
                 raise ConfigError(f"{origin}: cannot read KEK file ({type(e).__name__})") from None
             return parse_keys(text, origin)
 
-        return cls._with_reader(read, origin)
+        return cls._with_reader(read, origin, _file_stamp(p), check_s, clock)
 
     @classmethod
     def from_env(cls, name: str = DEFAULT_ENV, environ: Mapping[str, str] | None = None) -> KeySource:
         """From environment variable ``name`` in the text or JSON form (``environ``: a mapping to
-        read instead of ``os.environ``); ``reload`` re-reads it."""
+        read instead of ``os.environ``); ``reload`` re-reads it (it never re-reads itself: a
+        process's environment does not change from outside)."""
         origin = f"env:{name}"
         env = os.environ if environ is None else environ
 
@@ -202,10 +260,12 @@ class KeySource:
         return cls._with_reader(read, origin)
 
     @classmethod
-    def from_dir(cls, path: str | os.PathLike[str]) -> KeySource:
+    def from_dir(cls, path: str | os.PathLike[str], *, check_s: float = RELOAD_CHECK_S,
+                 clock: Callable[[], float] = time.monotonic) -> KeySource:
         """From a directory: one file per version (name = version id, content = base64 or raw
-        key) and ``current`` naming the current version; ``reload`` re-reads it (a mounted
-        Kubernetes Secret is updated in place when the Secret changes)."""
+        key) and ``current`` naming the current version; ``reload`` re-reads it, and so does any
+        read of the keys once the directory changed (a mounted Kubernetes Secret is updated in
+        place when the Secret changes; checked at most every ``check_s`` seconds of ``clock``)."""
         d = Path(path)
         origin = f"dir:{d}"
 
@@ -226,13 +286,19 @@ class KeySource:
                                   f"{e.strerror})") from None
             return keys, current
 
-        return cls._with_reader(read, origin)
+        return cls._with_reader(read, origin, _dir_stamp(d), check_s, clock)
 
     @classmethod
-    def _with_reader(cls, read: Any, origin: str) -> KeySource:
+    def _with_reader(cls, read: Any, origin: str, stamp: Callable[[], Hashable] | None = None,
+                     check_s: float = RELOAD_CHECK_S, clock: Callable[[], float] = time.monotonic) -> KeySource:
+        if not check_s > 0:
+            raise ConfigError(f"{origin}: check_s must be positive, got {check_s}")
+        seen = stamp() if stamp is not None else None  # before the read: a change during it is seen next
         keys, current = read()
         src = cls(keys, current, origin=origin)
         src._reader = read
+        src._stamp, src._seen, src.check_s, src._clock = stamp, seen, check_s, clock
+        src._next_check = clock() + check_s
         return src
 
     def reload(self) -> None:
@@ -243,6 +309,37 @@ class KeySource:
         keys, current = self._reader()
         self._state = self._validated(keys, current, self._origin)
 
+    def _fresh(self) -> tuple[dict[str, bytes], str]:
+        """The keys in use, re-read first when the origin changed (module docstring)."""
+        if self._stamp is not None and self._clock() >= self._next_check:
+            self._follow()
+        return self._state
+
+    def _follow(self) -> None:
+        if not self._checking.acquire(blocking=False):
+            return  # another thread is checking: use the keys in use meanwhile
+        try:
+            now = self._clock()
+            if now < self._next_check or self._stamp is None:
+                return
+            self._next_check = now + self.check_s
+            stamp = self._stamp()
+            if stamp == self._seen:
+                return
+            self._seen = stamp  # a broken change is not re-read until the origin changes again
+            before = self._state
+            try:
+                self.reload()
+            except ConfigError as e:
+                log.error("KEK source changed but cannot be used; keeping versions %s (current %s): %s",
+                          sorted(before[0]), before[1], e)
+                return
+            keys, current = self._state
+            if (keys, current) != before:
+                log.info("KEK source %s changed: versions %s, current %s", self._origin, sorted(keys), current)
+        finally:
+            self._checking.release()
+
     # --- reading -------------------------------------------------------------------------------
 
     @property
@@ -252,22 +349,23 @@ class KeySource:
     @property
     def current(self) -> str:
         """The version new wraps use."""
-        return self._state[1]
+        return self._fresh()[1]
 
     def current_key(self) -> tuple[str, bytes]:
         """``(current version, its key)`` read together, consistent across a concurrent reload."""
-        keys, current = self._state
+        keys, current = self._fresh()
         return current, keys[current]
 
     def get(self, version: str) -> bytes | None:
         """The key of ``version``, or None if this source does not hold it."""
-        return self._state[0].get(version)
+        return self._fresh()[0].get(version)
 
     def versions(self) -> tuple[str, ...]:
         """Every version held, sorted."""
-        return tuple(sorted(self._state[0]))
+        return tuple(sorted(self._fresh()[0]))
 
     def __repr__(self) -> str:
-        return f"KeySource(origin={self._origin!r}, versions={self.versions()!r}, current={self.current!r})"
+        keys, current = self._state  # never re-reads: repr must not do I/O
+        return f"KeySource(origin={self._origin!r}, versions={tuple(sorted(keys))!r}, current={current!r})"
 
     __str__ = __repr__

@@ -20,7 +20,10 @@ replace (never a moment with no copy, nor with two different keys).
   unwrapped (its KEK version is not in this node's source, or the bytes are damaged) raises
   ``TenantKeyUnreadable`` instead of being given a second key.
 * ``rotate`` re-wraps every tenant key under the current KEK version and drops the older copies;
-  the tenant keys themselves (and so every record) stay valid.
+  the tenant keys themselves (and so every record) stay valid. The KEK versions are read from
+  the ``KeySource`` at each wrap and unwrap, and a file or directory source follows its origin
+  (``tenants.kek``): a rotated Secret's new current version wraps the next tenant key created,
+  without a restart, and a version that left the source opens nothing (a miss).
 * ``erase`` deletes the tenant's object. Unwrapped keys are cached for ``key_cache_s``: another
   node that had the key cached keeps opening that tenant's records for at most ``key_cache_s``
   after the delete (the erasure bound), then its lookups find nothing. Erase and rotate of the
