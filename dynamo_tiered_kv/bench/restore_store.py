@@ -7,7 +7,11 @@ reads of ``--piece-mib`` in flight. ``objdir``: object tier on a local directory
 preads of the data objects, both from a cold page cache (the objects are dropped from it with
 POSIX_FADV_DONTNEED before every load and raw read). ``s3``: object tier on S3 (``--s3-endpoint``/``DTKV_S3_ENDPOINT``,
 else an in-process moto server) vs parallel ranged GETs (``s3_read_concurrency`` in flight).
-Each row: best and median load/raw ratio, and the load's stage breakdown (``LoadResult.stages``).
+Each row: best and median load/raw ratio, and the load's stage breakdown (``LoadResult.stages``);
+object tiers also the requests their backend sent per GB restored (measured loads only).
+
+HDD mode (``--osd-op-delay-ms 8``, ``s3`` on a local Ceph RGW): every OSD op waits that long while
+the s3 tier's rounds run (``osd_delay``), as on one spindle that seeks once per op.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from ..blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from ..config import TieredKVConfig
 from ..factory import build_store
 from ..tiers.ssd.io import aligned_buffer
+from . import osd_delay
 from .report import progress, table
 
 SHAPES = {"qwen2-7b-ish": (8, 2, 128), "qwen2.5-0.5b": (24, 2, 64), "llama-3.1-8b": (32, 8, 128)}
@@ -50,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--s3-concurrency", type=int, default=8,
                    help="ranged GETs in flight, ours and the plain reads (s3_read_concurrency)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds of load and raw read")
+    osd_delay.add_arguments(p)
 
 
 def _progress(msg: str) -> None:
@@ -117,19 +123,24 @@ def _drop_cache(paths: list[str]) -> None:
 
 
 def _measure(name: str, load: Callable[[], object], raw: Callable[[], int], repeats: int, nbytes: int,
-             cold: Callable[[], None] | None = None) -> dict:
-    """``cold`` (if given) runs, untimed, before every load and raw read."""
+             cold: Callable[[], None] | None = None, requests: Callable[[], int] | None = None) -> dict:
+    """``cold`` (if given) runs, untimed, before every load and raw read; ``requests`` (if
+    given) counts the requests the tier has sent so far, read before and after each measured load."""
     loads, raws, stages = [], [], []
+    sent = 0
     for r in range(repeats + 1):  # round 0 warms up
         order = (("raw", raw), ("load", load)) if r % 2 else (("load", load), ("raw", raw))
         for what, fn in order:
             if cold is not None:
                 cold()
+            c0 = requests() if requests is not None and what == "load" else 0
             t0 = time.perf_counter()
             out = fn()
             dt = time.perf_counter() - t0
             if not r:
                 continue
+            if requests is not None and what == "load":
+                sent += requests() - c0
             if what == "raw":
                 raws.append(dt)
             else:
@@ -144,10 +155,12 @@ def _measure(name: str, load: Callable[[], object], raw: Callable[[], int], repe
             "load_gbps": nbytes / min(loads) / 1e9, "raw_gbps": nbytes / min(raws) / 1e9,
             "ratio_best": min(loads) / min(raws), "ratio_median": statistics.median(ratios),
             "read_ms": {k: v * 1e3 for k, v in st.read_s.items()}, "wait_ms": st.wait_s * 1e3,
-            "decode_ms": st.decode_s * 1e3, "chunks": st.chunks}
+            "decode_ms": st.decode_s * 1e3, "chunks": st.chunks, "restore_ms_median": statistics.median(loads) * 1e3,
+            "requests_per_gb": osd_delay.per_gb(sent, nbytes * len(loads)) if requests is not None else None}
 
 
-def _bench_tier(tier: str, args: argparse.Namespace, root: str) -> dict:
+def _bench_tier(tier: str, args: argparse.Namespace, root: str, ceph: osd_delay.LocalCeph | None = None) -> dict:
+    """One tier's row; ``ceph`` (s3 only): the cluster whose OSDs are delayed while it is measured."""
     n = args.blocks
     layout, ns, keys = _layout(args.shape, n)
     ids = list(range(1, n + 1))
@@ -195,11 +208,16 @@ def _bench_tier(tier: str, args: argparse.Namespace, root: str) -> dict:
             assert not res.failed_block_ids, "load failed"
             return res
 
-        cold = None
+        cold = requests = None
         if tier == "objdir":  # buffered reads: both sides start from a cold page cache
             paths = _files(os.path.join(d, "objects"))
             cold = lambda: _drop_cache(paths)  # noqa: E731
-        return _measure(tier, load, raw, args.repeats, nbytes, cold)
+        if tier in ("objdir", "s3"):
+            stats = store.tiers[-1].backend.stats
+            requests = lambda: osd_delay.object_requests({}, osd_delay.stats_snapshot(stats))  # noqa: E731
+        with osd_delay.measured(ceph if tier == "s3" else None, args.osd_op_delay_ms) as delay:
+            row = _measure(tier, load, raw, args.repeats, nbytes, cold, requests)
+        return {**row, "osd_op_delay": delay}
     finally:
         store.close()
         if server is not None:
@@ -251,11 +269,15 @@ def _raw_for(tier: str, store, d: str, nbytes: int, args: argparse.Namespace) ->
 
 
 def run(args: argparse.Namespace) -> dict:
+    tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    if args.osd_op_delay_ms is not None and "s3" not in tiers:
+        raise SystemExit("bench restore_store: --osd-op-delay-ms delays the s3 tier's Ceph: add s3 to --tiers")
+    ceph = osd_delay.hdd_mode("restore_store", args.s3_endpoint, args.osd_op_delay_ms, args.ceph_dir)
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory(prefix="dtkv-restore-") as root:
-        for tier in [t.strip() for t in args.tiers.split(",") if t.strip()]:
-            rows.append(_bench_tier(tier, args, root))
+        for tier in tiers:
+            rows.append(_bench_tier(tier, args, root, ceph))
     return {"shape": args.shape, "blocks": args.blocks, "tiers": {r["tier"]: r for r in rows}}
 
 
@@ -264,7 +286,11 @@ def format_result(res: dict) -> str:
     rows = [[r["tier"], r["mib"], r["load_ms"], r["load_gbps"], r["raw_ms"], r["raw_gbps"], r["ratio_best"],
              r["ratio_median"], sum(r["read_ms"].values()), r["wait_ms"], r["decode_ms"], r["chunks"]]
             for r in res["tiers"].values()]
-    return table(["tier", "MiB", "load ms", "GB/s", "raw ms", "raw GB/s", "load/raw best", "median", "read ms",
-                  "wait ms", "decode ms", "chunks"], rows,
-                 fmts=["", ".0f", ".1f", ".2f", ".1f", ".2f", ".2f", ".2f", ".1f", ".1f", ".1f", ""],
-                 title=f"restore of {res['blocks']} blocks ({res['shape']}) through the store vs the raw read")
+    out = table(["tier", "MiB", "load ms", "GB/s", "raw ms", "raw GB/s", "load/raw best", "median", "read ms",
+                 "wait ms", "decode ms", "chunks"], rows,
+                fmts=["", ".0f", ".1f", ".2f", ".1f", ".2f", ".2f", ".2f", ".1f", ".1f", ".1f", ""],
+                title=f"restore of {res['blocks']} blocks ({res['shape']}) through the store vs the raw read")
+    lines = [osd_delay.summary_line(f"{r['tier']} (median)", r["requests_per_gb"], r["restore_ms_median"] / 1e3,
+                                    r["mib"] * 2**20, r.get("osd_op_delay"))
+             for r in res["tiers"].values() if r.get("requests_per_gb") is not None]
+    return "\n".join([out, "", *lines]) if lines else out

@@ -21,7 +21,12 @@ Per level: aggregate GB/s of both paths (bytes restored by all S sessions over t
 the start to the last session done; medians over rounds) and the median of the per-round ratios,
 p50/p99 of the per-session restore times over all rounds (nearest rank), and the blocks the store
 failed to restore (a GET that timed out: the engine would recompute them; their bytes are not
-counted). GB/s is 10^9 bytes per second. Objects written by the benchmark are deleted afterwards.
+counted), and the requests the store's object tier sent per GB it restored (its backend's
+counters: GETs, HEADs, LISTs, retries, hedged twins). GB/s is 10^9 bytes per second. Objects
+written by the benchmark are deleted afterwards.
+
+HDD mode (``--osd-op-delay-ms 8``, bucket on a local Ceph RGW): every OSD op waits that long
+during the measured rounds (``osd_delay``), as on one spindle that seeks once per op.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from ..config import TieredKVConfig
 from ..factory import build_store
 from ..store import TieredStore
 from ..tiers.objectstore.layout import ns_prefix
-from . import report
+from . import osd_delay, report
 from .restore_store import SHAPES
 from .s3 import _raw_get, _start_moto
 
@@ -80,6 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=None, help="scratch directory for the SSD tier the prefixes are written through")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: sessions 2,4 of 64 tokens, one round (overrides those flags)")
+    osd_delay.add_arguments(p)
 
 
 def _progress(msg: str) -> None:
@@ -213,13 +219,18 @@ def _level(n: int, store: TieredStore, layout: EngineLayout, sessions: Sequence[
     total = nbytes * n
     gbps: dict[str, list[float]] = {"store": [], "raw": []}
     times: dict[str, list[float]] = {"store": [], "raw": []}
-    failed = 0
+    failed = requests = restored = 0
+    stats = store.tiers[-1].backend.stats  # the store's own connection (the raw path has its own)
     steps = report.Steps("s3_concurrency", args.repeats + 1)
     for r in range(args.repeats + 1):  # round 0 warms connections and server pools: not reported
         for path in (("store", "raw") if r % 2 == 0 else ("raw", "store")):
             lost = 0
             if path == "store":
+                before = osd_delay.stats_snapshot(stats)
                 wall, each, lost = _store_round(store, layout, ours)
+                if r:
+                    requests += osd_delay.object_requests(before, osd_delay.stats_snapshot(stats))
+                    restored += total - lost * record
             else:
                 wall, each = raw.call(_raw_round(client, args.bucket, ours, args.s3_read_concurrency))
             if r:
@@ -236,6 +247,7 @@ def _level(n: int, store: TieredStore, layout: EngineLayout, sessions: Sequence[
         # each round's two paths ran back to back: a noisy neighbour slows both alike
         "ratio": statistics.median(s / r for s, r in zip(gbps["store"], gbps["raw"], strict=True)),
         "failed_blocks": failed,
+        "requests_per_gb": osd_delay.per_gb(requests, restored),
         "p50_ms": report.percentile(times["store"], 0.5) * 1e3,
         "p99_ms": report.percentile(times["store"], 0.99) * 1e3,
         "raw_p50_ms": report.percentile(times["raw"], 0.5) * 1e3,
@@ -270,6 +282,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     blocks = args.tokens // BLOCK_TOKENS
     layout, ns = _layout(args.shape, levels[-1] * blocks)
     nbytes = blocks * record_bytes(layout.shape)
+    ceph = osd_delay.hdd_mode("s3_concurrency", args.s3_endpoint, args.osd_op_delay_ms, args.ceph_dir)
     moto = None
     endpoint = args.s3_endpoint
     if not endpoint:
@@ -279,6 +292,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="dtkv-s3conc-", dir=args.dir)
     backend = store = None
     piece, first_byte_s = 0, 0.0  # set once the store is open
+    delay: dict[str, Any] | None = None
     try:
         backend = raw.call(_open_raw(args, endpoint))  # creates the bucket; the raw path's client
         cfg: dict[str, Any] = {
@@ -305,8 +319,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         short = [i for i, s in enumerate(sessions) if store.lookup(s.keys).num_blocks != blocks]
         if short:
             raise RuntimeError(f"sessions {short} are not wholly restorable from the object tier")
-        rows = [_level(n, store, layout, sessions, raw, backend._client, args, nbytes, record_bytes(layout.shape))
-                for n in levels]
+        with osd_delay.measured(ceph, args.osd_op_delay_ms) as delay:
+            rows = [_level(n, store, layout, sessions, raw, backend._client, args, nbytes,
+                           record_bytes(layout.shape)) for n in levels]
     finally:
         if store is not None:
             store.close()
@@ -330,6 +345,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "s3_first_byte_timeout_s": first_byte_s,
         "raw_piece_bytes": piece,
         "repeats": args.repeats,
+        "osd_op_delay": delay,
         "levels": rows,
     }
 
@@ -343,6 +359,9 @@ def format_result(res: dict[str, Any]) -> str:
              f"{res['s3_read_concurrency']}, {res['staging_slabs']} staging slabs, first-byte timeout "
              f"{res['s3_first_byte_timeout_s']} s; medians of {res['repeats']} rounds (ratio: median of per-round "
              f"store/raw)")
-    return report.table(["sessions", "MiB", "GB/s", "raw GB/s", "store/raw", "p50 ms", "p99 ms", "raw p50 ms",
-                         "raw p99 ms", "failed blocks"], rows, title=title,
-                        fmts=["", ".0f", ".3f", ".3f", ".2f", ".1f", ".1f", ".1f", ".1f", ""])
+    out = report.table(["sessions", "MiB", "GB/s", "raw GB/s", "store/raw", "p50 ms", "p99 ms", "raw p50 ms",
+                        "raw p99 ms", "failed blocks"], rows, title=title,
+                       fmts=["", ".0f", ".3f", ".3f", ".2f", ".1f", ".1f", ".1f", ".1f", ""])
+    lines = [osd_delay.summary_line(f"{r['sessions']} sessions (p50)", r.get("requests_per_gb"), r["p50_ms"] / 1e3,
+                                    res["bytes_per_session"], res.get("osd_op_delay")) for r in res["levels"]]
+    return "\n".join([out, "", *lines])
