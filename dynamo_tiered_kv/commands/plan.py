@@ -1,5 +1,6 @@
-"""``dtkv plan``: how many minutes of context each tier holds, what each tier costs a month, and
-modeled TTFT of restoring a prefix vs recomputing it (docs/PLAN.md has the formulas)."""
+"""``dtkv plan``: how many minutes of context each tier holds, what each tier costs a month,
+modeled TTFT of restoring a prefix vs recomputing it, and the HDD spindles a restore target needs
+(docs/PLAN.md has the formulas)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ._deferred import defer
 if TYPE_CHECKING:
     from ..plan.model import Scenario
     from ..plan.models import ModelSpec
+    from ..plan.spindles import SpindleModel
 
 _TIER_OF = {"hbm": "HBM", "dram": "DRAM", "ssd": "SSD", "hdd": "HDD-S3", "s3": "HDD-S3"}
 
@@ -111,7 +113,63 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hdd-gbps", type=pos, help="HDD-S3 read GB/s for one restore (default 5)")
     g.add_argument("--hdd-latency-ms", type=pos, help="HDD-S3 time to first byte, ms (default 30)")
     g.add_argument("--price", type=_price, action="append", metavar="TIER=USD", help="$/GB-month, repeatable")
+    _add_spindle_arguments(p)
     p.set_defaults(func=run)
+
+
+def _nonnegative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def _add_spindle_arguments(p: argparse.ArgumentParser) -> None:
+    pos, pint = _positive(float), _positive(int)
+    g = p.add_argument_group("HDD spindles (a restore from an HDD pool within a target time)")
+    g.add_argument("--restore-target-ms", type=pos, help="restore time to meet (default: the recompute time of "
+                                                         "the restored tokens on --gpu)")
+    g.add_argument("--restore-sessions", type=pint, help="restores at once on the pool (default 1)")
+    g.add_argument("--gets-in-flight", type=pint, help="ranged GETs in flight per restore (default 8, "
+                                                       "s3_read_concurrency)")
+    g.add_argument("--hdd-seek-ms", type=_nonnegative, help="wait per disk operation, ms (default 8)")
+    g.add_argument("--hdd-spindle-mbps", type=pos, help="streaming read per spindle, MB/s (default 200)")
+    shape = g.add_mutually_exclusive_group()
+    shape.add_argument("--get-mib", type=pos, help="ranged GET size, MiB (default 16)")
+    shape.add_argument("--requests-per-gb", type=pos, help="requests per restored GB, as `dtkv bench` reports "
+                                                           "them (sets the GET size to 1e9 / this)")
+    g.add_argument("--hdd-stripe-mib", type=_nonnegative, help="gateway stripe: one disk op per stripe a GET "
+                                                               "touches, MiB (default 4, Ceph RGW; 0: one op)")
+    g.add_argument("--hdd-data-shards", type=pint, help="disks one stripe is read from: k of an erasure code "
+                                                        "k+m (default 8, as the price table's 8+3; 1: replicated)")
+
+
+def _spindles(args: argparse.Namespace, base: SpindleModel) -> SpindleModel:
+    from ..plan.spindles import MIB
+
+    get_bytes = base.get_bytes
+    if args.get_mib:
+        get_bytes = args.get_mib * MIB
+    elif args.requests_per_gb:
+        get_bytes = 1e9 / args.requests_per_gb
+
+    def pick(value: float | None, scale: float, default: float) -> float:
+        return value * scale if value is not None else default
+
+    return replace(
+        base,
+        seek_s=pick(args.hdd_seek_ms, 1e-3, base.seek_s),
+        spindle_gbps=pick(args.hdd_spindle_mbps, 1e-3, base.spindle_gbps),
+        get_bytes=get_bytes,
+        stripe_bytes=pick(args.hdd_stripe_mib, MIB, base.stripe_bytes),
+        data_shards=args.hdd_data_shards or base.data_shards,
+        gets_in_flight=args.gets_in_flight or base.gets_in_flight,
+        sessions=args.restore_sessions or base.sessions,
+        target_s=args.restore_target_ms / 1e3 if args.restore_target_ms else base.target_s,
+    )
 
 
 def _model(args: argparse.Namespace, base: ModelSpec) -> tuple[ModelSpec, list[str]]:
@@ -212,6 +270,7 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
         contexts=args.context_tokens or s.contexts,
         ttft_gpus=ttft_gpus,
         assumptions=(*s.assumptions, *extra),
+        spindles=_spindles(args, s.spindles),
     )
 
 

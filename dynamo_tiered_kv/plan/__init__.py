@@ -3,6 +3,7 @@
 models     model KV shapes (presets) and bytes per token, raw and as stored records
 hardware   GPU and tier presets, the price table
 model      the arithmetic (minutes of context, $/month, restore vs recompute TTFT)
+spindles   HDD spindles a restore needs within a target time (seeks vs streaming)
 scenarios  named scenarios, among them ``seed`` (the seed study's figures)
 report     text tables and JSON
 """

@@ -10,7 +10,8 @@ token (TTFT) of restoring a prefix versus recomputing it. Formulas (docs/PLAN.md
 
 The attention term counts Q.K^T (2 * d_qk FLOPs per query-key pair per head) and P.V
 (2 * d_v) over the T(T+1)/2 causal pairs. R is the restored prefix: the whole blocks before the
-last prompt token, which the engine always computes itself.
+last prompt token, which the engine always computes itself. HDD spindles per restore target:
+``spindles.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError
 from .hardware import GPU_MEMORY_UTILIZATION, GPUS, GpuSpec, TierSpec
 from .models import ModelSpec
+from .spindles import SpindleModel, SpindleRow, spindles_for
 
 DEFAULT_CONTEXTS = (8192, 32768, 131072)
 DEFAULT_MFU = 0.5
@@ -47,6 +49,7 @@ class Scenario:
         ttft_gpus: GPUs the TTFT table compares.
         name: scenario name printed with the plan.
         assumptions: extra lines printed with the plan (a preset's stated assumptions).
+        spindles: the HDD pool and restore workload of the spindle table (``spindles.py``).
     """
 
     model: ModelSpec
@@ -63,6 +66,7 @@ class Scenario:
     ttft_gpus: tuple[GpuSpec, ...] = tuple(GPUS.values())
     name: str = "custom"
     assumptions: tuple[str, ...] = ()
+    spindles: SpindleModel = field(default_factory=SpindleModel)
 
     def __post_init__(self) -> None:
         if not self.tokens_per_s > 0:
@@ -208,6 +212,7 @@ class Plan:
     stored_bytes_per_block: int
     tiers: list[TierResult]
     ttft: list[TtftRow] = field(default_factory=list)
+    spindles: list[SpindleRow] = field(default_factory=list)
 
     def tier(self, name: str) -> TierResult:
         return next(t for t in self.tiers if t.name.lower() == name.lower())
@@ -267,7 +272,24 @@ def plan(s: Scenario) -> Plan:
     tiers = [_tier_result(t, s, tp, raw, stored) for t in (hbm, *s.tiers)]
     rows = [ttft_row(s, g, n, s.tp) for g in s.ttft_gpus for n in s.contexts]
     block = s.model.stored_bytes_per_block(s.block_size, tp, s.mla_one_copy)
-    return Plan(s, tp, raw, stored, block, tiers, rows)
+    return Plan(s, tp, raw, stored, block, tiers, rows, spindle_rows(s, tp, block))
+
+
+def spindle_rows(s: Scenario, tp: int, stored_block_bytes: int) -> list[SpindleRow]:
+    """Spindles per prompt length for a restore of its restorable prefix (stored records) within
+    the target; without one, within recompute minus the suffix's compute on ``s.gpu``: a
+    restore's TTFT then equals the recompute's."""
+    rate = flops_per_s(s.gpu, tp, s.mfu)
+    out = []
+    for tokens in s.contexts:
+        restored = restorable_tokens(tokens, s.block_size)
+        if restored == 0:
+            continue
+        target = s.spindles.target_s
+        if target is None:
+            target = prefill_flops(s.model, restored) / rate  # = recompute(T) - suffix compute
+        out.append(spindles_for(s.spindles, tokens, restored // s.block_size * stored_block_bytes, target))
+    return out
 
 
 __all__ = [
@@ -282,5 +304,6 @@ __all__ = [
     "plan",
     "prefill_flops",
     "restore_seconds",
+    "spindle_rows",
     "ttft_row",
 ]

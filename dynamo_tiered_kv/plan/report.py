@@ -6,6 +6,7 @@ import math
 
 from .hardware import GIB, PRICES, TIB
 from .model import Plan, TierResult, TtftRow
+from .spindles import SpindleRow
 
 _BINARY_TIERS = {"HBM", "DRAM"}  # memory is sized in GiB/TiB, drives in GB/TB
 
@@ -28,7 +29,20 @@ def assumptions(p: Plan) -> list[str]:
         + " (hardware only; override with --price TIER=USD)",
     ]
     lines += [f"{t.name}: {t.note}" for t in p.tiers if t.note]
+    lines.append(spindle_assumption(p))
     return lines
+
+
+def spindle_assumption(p: Plan) -> str:
+    m = p.scenario.spindles
+    stripe = f"{m.stripe_bytes / 2**20:g} MiB stripes" if m.stripe_bytes else "no striping"
+    code = f"{m.data_shards} data shards per stripe (erasure code k={m.data_shards})" if m.data_shards > 1 \
+        else "one copy read per stripe (replicated)"
+    target = f"{m.target_s * 1e3:g} ms" if m.target_s is not None else \
+        f"recompute of the restored tokens on {p.tp} x {p.scenario.gpu.name} (TTFT no worse than recomputing)"
+    return (f"HDD spindles: {m.seek_s * 1e3:g} ms per disk op, {m.spindle_gbps * 1e3:g} MB/s streaming per spindle; "
+            f"ranged GETs of {m.get_bytes / 2**20:.3g} MiB ({m.requests_per_gb:.1f} per GB), {stripe}, {code}; "
+            f"{m.gets_in_flight} GETs in flight per restore, {m.sessions} restore(s) at once; target: {target}")
 
 
 def _size(nbytes: float, binary: bool) -> str:
@@ -79,6 +93,17 @@ def _ttft_row(r: TtftRow, tiers: list[str]) -> list[str]:
     return cells
 
 
+def _spindle_row(r: SpindleRow) -> list[str]:
+    if r.spindles is None:
+        need = f" ({r.gets_in_flight_needed} in flight)" if r.gets_in_flight_needed else ""
+        spindles, restore, bound = "-", "-", r.bound + need
+    else:
+        spindles, restore, bound = f"{r.spindles:,}", _secs(r.restore_s or 0.0), r.bound
+    return [f"{r.tokens:,}", f"{r.prefix_bytes / 1e9:.3g} GB", _secs(r.target_s), f"{r.requests:,}",
+            f"{r.disk_ops:,}", _secs(r.seek_term_s), _secs(r.transfer_term_s), _secs(r.floor_s), spindles, restore,
+            bound]
+
+
 def format_text(p: Plan) -> str:
     """The plan as aligned text tables followed by the assumptions."""
     s, m = p.scenario, p.scenario.model
@@ -107,6 +132,16 @@ def format_text(p: Plan) -> str:
     ]
     header = ["gpu", "tp", "tokens", "recompute", *names, "GB/s for -95%"]
     out += _table(header, [_ttft_row(r, names) for r in p.ttft])
+    if p.spindles:
+        out += [
+            "",
+            "HDD spindles for a restore within the target (per prompt: its restorable prefix as stored records;",
+            "bound: latency = seeks dominate the disk time, bandwidth = streaming does, concurrency/request = out of",
+            "reach on any number of spindles: more GETs in flight / smaller GETs needed)",
+        ]
+        header = ["tokens", "prefix", "target", "GETs", "disk ops", "seek disk-s", "stream disk-s", "floor",
+                  "spindles", "restore", "bound"]
+        out += _table(header, [_spindle_row(r) for r in p.spindles])
     out += ["", "Assumptions", *(f"- {a}" for a in assumptions(p))]
     return "\n".join(out)
 
@@ -172,5 +207,35 @@ def to_dict(p: Plan) -> dict:
             }
             for r in p.ttft
         ],
+        "spindles": {
+            "model": {
+                "seek_s": p.scenario.spindles.seek_s,
+                "spindle_gbps": p.scenario.spindles.spindle_gbps,
+                "get_bytes": p.scenario.spindles.get_bytes,
+                "requests_per_gb": p.scenario.spindles.requests_per_gb,
+                "stripe_bytes": p.scenario.spindles.stripe_bytes,
+                "data_shards": p.scenario.spindles.data_shards,
+                "gets_in_flight": p.scenario.spindles.gets_in_flight,
+                "sessions": p.scenario.spindles.sessions,
+                "target": "given" if p.scenario.spindles.target_s is not None else "recompute",
+            },
+            "rows": [
+                {
+                    "tokens": r.tokens,
+                    "prefix_bytes": r.prefix_bytes,
+                    "target_s": r.target_s,
+                    "requests": r.requests,
+                    "disk_ops": r.disk_ops,
+                    "seek_disk_s": r.seek_term_s,
+                    "transfer_disk_s": r.transfer_term_s,
+                    "floor_s": r.floor_s,
+                    "spindles": r.spindles,
+                    "restore_s": r.restore_s,
+                    "bound": r.bound,
+                    "gets_in_flight_needed": r.gets_in_flight_needed,
+                }
+                for r in p.spindles
+            ],
+        },
         "assumptions": assumptions(p),
     }
