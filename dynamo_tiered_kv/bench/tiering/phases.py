@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import osd_delay
+
 TOKENS_PER_BLOCK = 16
 BLOCKS_PER_CHUNK = 16  # one offload chunk: 256 tokens
 TOKENS_PER_CHUNK = TOKENS_PER_BLOCK * BLOCKS_PER_CHUNK
@@ -298,10 +300,14 @@ def phase_runs(spec: dict[str, Any], manager: Any, tier: Any) -> dict[str, Any]:
         run = {**spec, "tag": f"{spec['tag']}-r{i}"}
         dropped = drop_page_cache() if spec["phase"] == "load" and spec.get("drop_caches", True) else None
         io0, rgw0 = _proc_io(), rgw_counters(spec.get("rgw_admin_socket"))
+        sent0 = _object_requests(tier)
         cpu0 = time.process_time()
         res = PHASES[spec["phase"]](run, manager, tier)
         res["cpu_s"] = time.process_time() - cpu0  # every thread of this process: the client's CPU
         io1, rgw1 = _proc_io(), rgw_counters(spec.get("rgw_admin_socket"))
+        sent1 = _object_requests(tier)
+        # ours with an object tier: the requests it sent, by its own counters (None: not ours)
+        res["tier_requests"] = osd_delay.object_requests(sent0, sent1) if sent0 is not None and sent1 else None
         res["io"] = {k: io1[k] - io0.get(k, 0) for k in io1}
         res["s3_requests"] = {k: rgw1[k] - rgw0.get(k, 0) for k in rgw1}
         res["page_cache_dropped"] = dropped
@@ -323,6 +329,13 @@ def _wait_object_index(tier: Any, timeout: float) -> float | None:
     while not objects.index_ready and time.monotonic() < end:
         time.sleep(0.005)
     return time.perf_counter() - t0
+
+
+def _object_requests(tier: Any) -> dict[str, int] | None:
+    """Request counters of our tier's object backend (None: not ours, or no object tier)."""
+    store = getattr(tier, "store", None)
+    backend = getattr(store.tiers[-1], "backend", None) if store is not None and store.tiers else None
+    return osd_delay.stats_snapshot(backend.stats) if backend is not None else None
 
 
 def rgw_counters(admin_socket: str | None) -> dict[str, int]:

@@ -13,7 +13,13 @@ accepted write on the medium), load GB/s in ANOTHER process (a restart: lookups,
 bytes checked against what was stored; page cache dropped before each run when root),
 requests and objects per prefix (S3: the RGW's own counters with ``--rgw-admin-socket``; local:
 the process's read/write syscalls), lookup time for ``--lookup-keys`` keys, bytes on disk after
-writing ``--churn`` times a capacity, and what one flipped byte per chunk does to a load.
+writing ``--churn`` times a capacity, and what one flipped byte per chunk does to a load. S3
+tiers also: restore time per run and requests per restored GB (the RGW's counters with
+``--rgw-admin-socket``; else, for ours, its object backend's own counters).
+
+HDD mode (``--osd-op-delay-ms 8``, bucket on a local Ceph RGW): every OSD op waits that long
+while the runs (stores and loads) are measured, as on one spindle that seeks once per op
+(``osd_delay``); the RGW's admin socket is then found too, so requests are counted for every tier.
 
 Each phase is its own process (``phases``), with vLLM 0.33 first on ``sys.path``
 (``--vllm-path``, default ``.deps/vllm-0.33``).
@@ -33,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import report
+from .. import osd_delay, report
 from . import raw_s3
 
 GiB = 1 << 30
@@ -62,6 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket", default="dtkv-bench-tiering", help="bucket (created if missing)")
     p.add_argument("--vllm-path", type=Path, default=Path(".deps/vllm-0.33"), help="vLLM 0.33 sources")
     p.add_argument("--quick", action="store_true", help="small sizes, one run (CI smoke run)")
+    osd_delay.add_arguments(p)
 
 
 def _worker(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, Any]:
@@ -180,11 +187,12 @@ def _range(xs: list[float]) -> dict[str, float] | None:
 
 
 def _shape(args: argparse.Namespace, tiers: list[str], kib: int, plan: dict[str, Any], skip: set[str],
-           failed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+           failed: list[dict[str, Any]], ceph: osd_delay.LocalCeph | None = None) -> list[dict[str, Any]]:
     """Every tier on one model shape, run by run: run ``i`` of each tier (a store process, then a
     load process) before run ``i + 1`` of any, the tiers' order reversed every other run, so a
     shared disk's or server's drift over minutes falls on all tiers alike. Ratios pair run ``i``
-    of ours with run ``i`` of the peer (``targets``)."""
+    of ours with run ``i`` of the peer (``targets``). With ``ceph``, its OSDs are delayed for
+    the runs (not for the uploads before them nor the flip test after)."""
     row = kib * 1024 * CHUNK_TOKENS
     chunks = plan["tokens"] // CHUNK_TOKENS
     prefixes = max(1, int(plan["bytes_per_run"] // (row * chunks)))
@@ -206,6 +214,18 @@ def _shape(args: argparse.Namespace, tiers: list[str], kib: int, plan: dict[str,
         state[RAW] = {"name": f"{RAW}-{kib}k", "where": args.dir.resolve() / RAW, "prefix": prefix, "keys": keys,
                       "base": {"prefixes": prefixes}, "loaded": []}
         order.append(RAW)
+    with osd_delay.measured(ceph, args.osd_op_delay_ms):
+        _runs(args, plan, order, state, failed, kib, prefixes, chunks, row, lookup_keys)
+    rows = [_summarize(args, tier, kib, plan, skip, st) for tier, st in state.items() if tier != RAW]
+    if RAW in state:
+        rows.append(_summarize_raw(args, kib, state[RAW]))
+    return rows
+
+
+def _runs(args: argparse.Namespace, plan: dict[str, Any], order: list[str], state: dict[str, dict[str, Any]],
+          failed: list[dict[str, Any]], kib: int, prefixes: int, chunks: int, row: int, lookup_keys: int) -> None:
+    """``plan["runs"]`` runs of every tier in ``order``, alternating the order; a tier that fails
+    is dropped from ``state`` and recorded in ``failed``."""
     for i in range(plan["runs"]):
         for tier in order if i % 2 == 0 else order[::-1]:
             st = state.get(tier)
@@ -225,10 +245,6 @@ def _shape(args: argparse.Namespace, tiers: list[str], kib: int, plan: dict[str,
                 report.progress("tiering", f"{tier} {kib} KiB/token failed: {str(e)[-500:]}")
                 _clear(tier, st["where"], args, st["prefix"])
                 del state[tier]
-    rows = [_summarize(args, tier, kib, plan, skip, st) for tier, st in state.items() if tier != RAW]
-    if RAW in state:
-        rows.append(_summarize_raw(args, kib, state[RAW]))
-    return rows
 
 
 def _summarize_raw(args: argparse.Namespace, kib: int, st: dict[str, Any]) -> dict[str, Any]:
@@ -276,6 +292,10 @@ def _summarize(args: argparse.Namespace, tier: str, kib: int, plan: dict[str, An
         # ours on S3 alone: its index of the bucket is built in the background at start (lookups miss
         # until then); the loads are timed once it is ready
         "index_wait_s": _range([w["index_wait_s"] for w in st["loaded"] if w.get("index_wait_s") is not None]),
+        # the load phase of each run: every prefix restored at once
+        "restore_s": _range([r["load_s"] for r in loaded]),
+        "restore_bytes_per_run": statistics.median(r["bytes"] for r in loaded) if loaded else 0,
+        **_requests_per_gb(tier, loaded),
     }
     if "lookup" in st["loaded"][0]:
         lk = st["loaded"][0]["lookup"]
@@ -300,6 +320,18 @@ def _per_prefix(runs: list[dict[str, Any]], prefixes: int, tier: str, s3_key: st
             return {"s3": None}
         return {"s3_" + s3_key: statistics.median(vals) / prefixes, "s3_all": statistics.median(alls) / prefixes}
     return {io_key: statistics.median(r["io"].get(io_key, 0) for r in runs) / prefixes}
+
+
+def _requests_per_gb(tier: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """An S3 tier's requests per restored GB over its load runs: the RGW's count of every request
+    when known, else ours by its own backend counters; None for local tiers or when uncounted."""
+    if tier not in ("dtkv-s3", "obj"):
+        return {"requests_per_restored_gb": None, "requests_counted_by": None}
+    for source, count in (("rgw", lambda r: r["s3_requests"].get("all")), ("tier", lambda r: r.get("tier_requests"))):
+        per = [c / (r["bytes"] / 1e9) for r in runs if r["bytes"] and (c := count(r)) is not None]
+        if per and len(per) == len(runs):
+            return {"requests_per_restored_gb": _range(per), "requests_counted_by": source}
+    return {"requests_per_restored_gb": None, "requests_counted_by": None}
 
 
 def _churn(args: argparse.Namespace, tier: str, kib: int, plan: dict[str, Any]) -> dict[str, Any]:
@@ -337,6 +369,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kibs = kibs[:1]
     if plan["tokens"] % CHUNK_TOKENS:
         raise SystemExit(f"--tokens must be a multiple of {CHUNK_TOKENS}")
+    ceph = osd_delay.hdd_mode("tiering", args.s3_endpoint, args.osd_op_delay_ms, args.ceph_dir)
+    if ceph is not None and not {"dtkv-s3", "obj"} & set(tiers):
+        raise SystemExit("bench tiering: --osd-op-delay-ms delays the S3 tiers' Ceph: add dtkv-s3 or obj to --tiers")
+    if ceph is not None and args.rgw_admin_socket is None and ceph.rgw_socket is not None:
+        args.rgw_admin_socket = str(ceph.rgw_socket)  # count every tier's requests at the server
     args.dir.mkdir(parents=True, exist_ok=True)
     if args.s3_endpoint and any(t in tiers for t in ("dtkv-s3", "obj")):
         s3 = _s3(args)
@@ -347,7 +384,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.monotonic()
     rows, failed = [], []
     for kib in kibs:
-        rows += _shape(args, tiers, kib, {**plan, "flip": kib == kibs[0]}, skip, failed)
+        rows += _shape(args, tiers, kib, {**plan, "flip": kib == kibs[0]}, skip, failed, ceph)
         (args.dir / "partial.json").write_text(json.dumps(rows, indent=1))  # a long run's results so far
     churn = []
     for t in ([] if "churn" in skip else [t for t in tiers if t in ("dtkv", "fs")]):
@@ -357,7 +394,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             failed.append({"tier": t, "churn": True, "error": str(e)[-2000:]})
     machine = {"host": platform.node(), "cpus": os.cpu_count(), "dir": str(args.dir.resolve()),
                "fs": _fstype(args.dir), "s3_endpoint": args.s3_endpoint}
-    return {"failed": failed, "machine": machine,
+    delay = None if ceph is None else {"ms_per_op": args.osd_op_delay_ms, "ceph_dir": str(ceph.dir),
+                                       "osd_sockets": [str(x) for x in ceph.osd_sockets]}
+    return {"failed": failed, "machine": machine, "osd_op_delay": delay,
             "plan": {**plan, "kib_per_token": kibs, "tiers": tiers, "chunk_tokens": CHUNK_TOKENS},
             "tiers": rows, "churn": churn, "targets": targets(rows), "elapsed_s": time.monotonic() - t0}
 
@@ -422,6 +461,13 @@ def format_result(res: dict[str, Any]) -> str:
     out = [report.table(["tier", "KiB/tok", "store GB/s", "load GB/s", "stored", "found after restart",
                          "objects/prefix", "load reqs/prefix", "lookup us/key", "flip wrong/missed/flipped"], rows,
                         title=f"vLLM tiers side by side ({res['machine']['host']}, {res['machine']['fs']})")]
+    lines = [osd_delay.summary_line(f"{r['tier']} {r['kib_per_token']}k (median of runs, requests counted by "
+                                    f"{r['requests_counted_by'] or 'nothing'})",
+                                    (r["requests_per_restored_gb"] or {}).get("median"), r["restore_s"]["median"],
+                                    r["restore_bytes_per_run"], res.get("osd_op_delay"))
+             for r in res["tiers"] if r.get("restore_s") and r["tier"] in ("dtkv-s3", "obj")]
+    if lines:
+        out.append("\n".join(lines))
     if res["churn"]:
         out.append(report.table(["tier", "capacity MiB", "written MiB", "on disk MiB", "disk/capacity"],
                                 [[c["tier"], c["capacity_bytes"] / MiB, c["written_bytes"] / MiB,
