@@ -253,7 +253,9 @@ class Catalog:
         acc = np.zeros(n, np.float64)
         count = np.zeros(n, np.int64)
         codes = self.objs.rows["ten"][:n]
-        is_mixed = codes == MIXED
+        # an object gone from the view keeps its code, but its records' tenants left with it
+        # (``forget``): only objects still in the view are looked up record by record
+        is_mixed = (codes == MIXED) & ((self.objs.rows["flags"][:n] & ObjectTable.GONE) == 0)
         mixed = self.tenants.mixed_table() if bool(is_mixed.any()) else None
         totals = self.tenants.fresh_totals()
         for obj, off, ln in self.index.live_chunks():
