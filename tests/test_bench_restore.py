@@ -181,3 +181,37 @@ def test_restore_size_sweep_rows_and_table():
     assert big["example_over_ours_overhead"] == pytest.approx(130.0 / 50.0)
     assert ("host", 256) not in rows  # no sweep prompt measured in that session
     assert "size sweep" in report.format_tables(res)
+
+
+def test_restore_cpu_per_restored_gb():
+    """The restore's own CPU per GB: the restored request's process CPU over the prefix-cache
+    request's, divided by the bytes the restore read (rounds without both are left out)."""
+    res = _result()
+    ssd = res["sessions"]["ssd"]
+    for i, rnd in enumerate(ssd["rounds"]):
+        rnd["long"].update(cpu_ms=130.0 + 10 * i, read_bytes={"ssd": 500_000_000})
+        rnd["resident"]["cpu_ms"] = 80.0
+    res["sessions"]["host"]["rounds"][0]["long"]["cpu_ms"] = 5.0  # no prefix-cache request: not counted
+    rows = {r["tier"]: r for r in report.summarize(res)["rows"]}
+    assert rows["ssd"]["cpu_ms_per_gb_rounds"] == pytest.approx([100.0, 120.0])
+    assert rows["ssd"]["cpu_ms_per_gb"] == pytest.approx(110.0)
+    assert rows["host"]["cpu_ms_per_gb"] is None
+    res["summary"] = report.summarize(res)
+    assert "CPU ms/GB" in report.format_tables(res)
+
+
+def test_busy_neighbours_run_and_are_killed():
+    import os
+
+    from dynamo_tiered_kv.bench.neighbours import busy_neighbours
+
+    with pytest.raises(RuntimeError), busy_neighbours(2) as procs:
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)
+        pids = [p.pid for p in procs]
+        raise RuntimeError("the bench failed")
+    assert all(p.returncode is not None for p in procs)  # reaped even though the block raised
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(ValueError), busy_neighbours(-1):
+        pass

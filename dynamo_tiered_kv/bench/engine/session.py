@@ -27,7 +27,9 @@ Timing definitions (all wall clock, ``perf_counter``):
 * ``load_hook_ms``: time inside ``start_load_kv`` + ``wait_for_layer_load``;
 * ``restore_ms`` (dtkv): the restores' own time (``TieredStore.load`` calls, on the onboarding
   threads for asynchronous restores, which the load hooks only submit);
-* ``lookup_ms``: scheduler time inside ``get_num_new_matched_tokens`` (finding the stored prefix).
+* ``lookup_ms``: scheduler time inside ``get_num_new_matched_tokens`` (finding the stored prefix);
+* ``cpu_ms``: CPU time of the whole process (``process_time``: the engine and every thread of the
+  store) from the request's submission until the store is drained after it.
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ class Session:
             self.worker.served.clear()
         before, t0 = dict(_timers), self._read_bytes()
         loaded_s = self.worker.load_seconds if self.worker is not None else 0.0
+        cpu = time.process_time()  # every thread of this process: the engine, its restores, the store
         t = time.perf_counter()
         out = self.llm.generate([{"prompt_token_ids": prompt}], self.first, use_tqdm=False)[0]
         ttft = time.perf_counter() - t
@@ -165,6 +168,8 @@ class Session:
             # the restores' own time (an async restore runs outside the load hooks)
             rec["restore_ms"] = (self.worker.load_seconds - loaded_s) * 1000
             rec["restored_tokens"] = sum(tiers.values()) * self.block_size
+        # CPU of the request and of the background work it caused (promotions, writes: drained above)
+        rec["cpu_ms"] = (time.process_time() - cpu) * 1000
         return rec
 
     def close(self) -> None:

@@ -50,6 +50,7 @@ from ..engine.launch import (
     require_vllm,
     run_plan,
 )
+from ..neighbours import busy_neighbours
 from .report import format_tables, summarize
 
 MODULE = "dynamo_tiered_kv.bench.restore.engine"
@@ -75,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-async", choices=["default", "on", "off"], default="default",
                    help="connector load_async setting, where the store has it (default: its own default)")
     p.add_argument("--skip-example", action="store_true", help="no ExampleConnector sessions")
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="N CPU-bound processes beside the engine for the whole run (a busy neighbour)")
     p.add_argument("--quick", action="store_true", help="1024-token prompt, 2 rounds (smoke run, ~2 min)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -125,13 +128,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"dtkv bench restore: {model_desc(QWEN2_BENCH_SPEC)}; prompts {args.context} / {args.short} tokens, "
           f"block {args.block_size}; object tier: {obj_desc}; {len(plan)} engine sessions; output {work}",
           file=sys.stderr, flush=True)
-    sessions = run_plan(plan, steps, base, work, "restore", MODULE, args.no_progress)
+    with busy_neighbours(args.busy):
+        sessions = run_plan(plan, steps, base, work, "restore", MODULE, args.no_progress)
     res: dict[str, Any] = {"model": model_desc(QWEN2_BENCH_SPEC), "model_spec": QWEN2_BENCH_SPEC.__dict__,
                            "kv_bytes_per_token": kv_bytes_per_token(QWEN2_BENCH_SPEC), "context_tokens": args.context,
                            "short_tokens": args.short, "block_size": args.block_size, "rounds": args.rounds,
                            "object_tier": obj_desc, "raw_chunk_bytes": args.raw_chunk_kib << 10,
                            "raw_depth": args.raw_depth, "load_async": args.load_async, "cpu_count": os.cpu_count(),
-                           "sizes": sizes, "load_avg": os.getloadavg(), "sessions": sessions}
+                           "sizes": sizes, "busy": args.busy, "load_avg": os.getloadavg(), "sessions": sessions}
     res["summary"] = summarize(res)
     res["result_file"] = str(work / "restore.json")
     (work / "restore.json").write_text(json.dumps(res, indent=1))

@@ -28,6 +28,19 @@ def _overheads(sess: dict[str, Any]) -> list[float]:
     return [r["long"]["ttft_ms"] - r["resident"]["ttft_ms"] for r in sess["rounds"] if "resident" in r]
 
 
+def _cpu_per_gb(sess: dict[str, Any]) -> list[float]:
+    """Per round: CPU ms per GB restored, over what the same prompt costs from vLLM's own prefix
+    cache (the restored request's CPU minus the prefix-cache request's: the restore's own CPU)."""
+    out = []
+    for r in sess["rounds"]:
+        long, res = r["long"], r.get("resident")
+        nbytes = sum(long.get("read_bytes", {}).values())
+        if res is None or not nbytes or long.get("cpu_ms") is None or res.get("cpu_ms") is None:
+            continue
+        out.append((long["cpu_ms"] - res["cpu_ms"]) / (nbytes / 1e9))
+    return out
+
+
 def _same_first_token(sess: dict[str, Any]) -> tuple[int, int]:
     """(rounds whose restored first token equals the prefix-cache one, rounds compared)."""
     pairs = [(r["long"]["first_token"], r["resident"]["first_token"]) for r in sess["rounds"] if "resident" in r]
@@ -79,6 +92,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
             "stages": _stages(s["rounds"]), "resident_ttft_ms": _ttft(s, "resident"),
             "overhead_rounds_ms": _overheads(s), "same_first_token": _same_first_token(s)}
         row["overhead_ms"] = _med(row["overhead_rounds_ms"])
+        row["cpu_ms_per_gb_rounds"] = _cpu_per_gb(s)
+        row["cpu_ms_per_gb"] = _med(row["cpu_ms_per_gb_rounds"])
         # the request's wait in the engine for its restore (submission -> runnable): the restore as
         # the engine sees it, without the TTFT's forward-pass noise
         row["engine_wait_ms"] = _med([r["long"].get("engine_wait_ms") for r in s["rounds"]])
@@ -262,9 +277,11 @@ def format_tables(res: dict[str, Any]) -> str:
     if staged:
         lines += ["", "store restore stages of the long prompt (LoadResult.stages, ms; total / raw read); in engine: "
                   "the request's wait for its restore,",
-                  "submission to runnable (Ex/ours: ExampleConnector's load hooks / that wait):",
+                  "submission to runnable (Ex/ours: ExampleConnector's load hooks / that wait); CPU ms/GB: the "
+                  "process's CPU for the",
+                  "restored request over the prefix-cache one, per GB restored:",
                   f"{'tier':<7} {'read':>7} {'MB':>6} {'wait':>7} {'decode':>7} {'total':>7} {'chunks':>6} "
-                  f"{'load hooks':>10} {'total/raw':>9} {'in engine':>9} {'/raw':>6} {'Ex/ours':>7}"]
+                  f"{'load hooks':>10} {'total/raw':>9} {'in engine':>9} {'/raw':>6} {'Ex/ours':>7} {'CPU ms/GB':>9}"]
         for r in staged:
             st = r["stages"]
             lines.append(f"{r['tier']:<7} {_f(sum(st['read_ms'].values())):>7} {_f(sum(st['read_mb'].values())):>6} "
@@ -272,10 +289,12 @@ def format_tables(res: dict[str, Any]) -> str:
                          f"{_f(st['chunks'], '.0f'):>6} {_f(r['load_hook_ms']):>10} "
                          f"{_f(r['store_ratio_raw'], '.2f'):>8}x {_f(r.get('engine_wait_ms')):>9} "
                          f"{_f(r.get('engine_wait_ratio_raw'), '.2f'):>5}x "
-                         f"{_f(r.get('example_over_ours_wait'), '.2f'):>6}x")
+                         f"{_f(r.get('example_over_ours_wait'), '.2f'):>6}x {_f(r.get('cpu_ms_per_gb'), '.0f'):>9}")
     else:
         lines += ["", "(the store reports no restore stages: breakdown skipped)"]
     lines += format_sweep(res)
+    if res.get("busy"):
+        lines.append(f"{res['busy']} CPU-bound process(es) ran beside the engine for the whole run")
     if res.get("load_avg"):
         lines.append(f"load average at the end of the run: {' '.join(f'{x:.1f}' for x in res['load_avg'])} "
                      f"({res.get('cpu_count')} CPUs)")
