@@ -116,7 +116,8 @@ class TieredKVConfig(BaseSettings):
     )
     s3_first_byte_timeout_s: float = Field(
         1.0, gt=0, allow_inf_nan=False, description="longest wait for a ranged GET's first response byte before "
-        "the attempt is given up and retried (a stalled gateway then costs about this much per attempt)"
+        "the attempt is given up and retried; a read waits at most twice this in all, over its retries and hedges "
+        "(a stalled gateway then costs a restore about twice this, and it is recomputed)"
     )
     s3_hedge_reads: bool = Field(
         True, description="send a second identical ranged GET when the first has not answered after the p99 "

@@ -18,7 +18,9 @@ aiobotocore for good.
 
 Bounds of one GET: its first response byte within ``first_byte_timeout_s`` of the request
 (``FirstByteTimeout``: a stalled gateway fails the attempt in about a second, and it is retried
-within the caller's budget), then no silence longer than ``body_idle_timeout_s``. A GET run as an
+within the caller's budget; a caller may pass a tighter bound per GET: ``S3Backend`` gives a
+retry what is left of the read's first-byte allowance), then no silence longer than
+``body_idle_timeout_s``. A GET run as an
 ``hedge.Attempt`` reports its first byte and takes ownership of the destination buffers right
 before its first body byte is stored: a hedged twin that lost never writes there.
 """
@@ -319,18 +321,22 @@ class DirectRangeReader:
         self._idle.clear()
 
     async def get_range(self, key: str, offset: int, dests: Sequence[memoryview],
-                        attempt: Attempt | None = None) -> int | None:
+                        attempt: Attempt | None = None, *, first_byte_timeout_s: float | None = None) -> int | None:
         """Bytes ``[offset, offset + total)`` of ``key`` into ``dests``: ``total``, or None when the
         object is missing or shorter. Raises ``ClientError`` for S3 errors, ``ConnectionError``
         or ``TimeoutError`` for transport faults (``FirstByteTimeout``, ``HedgeLost`` among them),
-        ``DirectGetUnsupported`` as said above. ``attempt``: this GET is one of a hedged read."""
+        ``DirectGetUnsupported`` as said above. ``attempt``: this GET is one of a hedged read.
+        ``first_byte_timeout_s``: this GET's first-byte bound when tighter than the reader's (the
+        rest of a read's first-byte allowance, ``s3.STALL_WAITS``)."""
         total = sum(d.nbytes for d in dests)
+        first_byte_s = self.first_byte_timeout_s if first_byte_timeout_s is None else min(
+            first_byte_timeout_s, self.first_byte_timeout_s)
         resigned = redialed = False
         while True:
             parts, cached = await self._presigned(key)
             conn = await self._connection(parts, fresh=redialed)
             try:
-                await self._exchange(conn, parts, offset, total, dests, attempt)
+                await self._exchange(conn, parts, offset, total, dests, attempt, first_byte_s)
             except BaseException as e:
                 conn._close()
                 if (isinstance(e, ConnectionError) and not isinstance(e, BodyStalled) and conn.reused
@@ -356,7 +362,7 @@ class DirectRangeReader:
             return total
 
     async def _exchange(self, conn: _Response, parts: urllib.parse.SplitResult, offset: int, total: int,
-                        dests: Sequence[memoryview], attempt: Attempt | None = None) -> None:
+                        dests: Sequence[memoryview], attempt: Attempt | None, first_byte_s: float) -> None:
         done = conn.start(dests, total, offset, attempt)
         target = parts.path + ("?" + parts.query if parts.query else "")
         assert conn.transport is not None
@@ -370,7 +376,7 @@ class DirectRangeReader:
             # of silence, headers included (a response cut inside its headers whose reset never
             # arrives must not hold the read)
             started = conn.progress > 0
-            limit = conn.last_io + self.body_idle_timeout_s if started else sent + self.first_byte_timeout_s
+            limit = conn.last_io + self.body_idle_timeout_s if started else sent + first_byte_s
             left = limit - time.monotonic()
             if left > 0:
                 await asyncio.wait((done,), timeout=min(left, self.body_idle_timeout_s))
@@ -380,7 +386,7 @@ class DirectRangeReader:
             if left <= 0 and not started:
                 if attempt is not None:
                     attempt.no_first_byte()
-                raise FirstByteTimeout(f"no response byte within {self.first_byte_timeout_s}s of the request")
+                raise FirstByteTimeout(f"no response byte within {first_byte_s:.3g}s of the request")
             if left <= 0:
                 raise BodyStalled(f"no response bytes for {self.body_idle_timeout_s}s into the response "
                                   f"({conn.progress} bytes, {conn.got} of {total} body bytes)")

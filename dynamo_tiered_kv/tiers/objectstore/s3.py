@@ -16,8 +16,10 @@
   the tier's read budget, instead of failing over in seconds. Reads under the tier's
   ``shared_deadline`` (``retry.py``) also give each attempt only its share of the budget.
 * Before the response begins, a ranged GET waits at most ``first_byte_timeout_s`` for its first
-  byte (both paths; the attempt is then retried): a stalled gateway or an overloaded HDD pool
-  costs about a second per attempt, not the caller's whole deadline. The first-byte latency and
+  byte (both paths; the attempt is then retried), and a read waits two such bounds in all, over
+  its attempts and their hedges, and ends after two attempts ended in silence
+  (``stalls.StallAllowance``): a stalled gateway or an overloaded HDD pool costs a read about two
+  seconds, not four attempts' worth or the caller's whole deadline. The first-byte latency and
   throughput of recent GETs (``latency.GetLatency``) time hedges: a GET with no answer after their
   p99 gets an identical twin, the first to answer is used (``hedge.py``); and they let the tier
   tell at once that a restore cannot arrive within its budget (``expected_get_s``).
@@ -55,10 +57,11 @@ from botocore.exceptions import (
 
 from ...errors import ConfigError
 from .backend import FileSource, ObjectBackend, ObjectInfo, Scatter, Source, source_len
-from .direct_get import DirectGetUnsupported, DirectRangeReader, FirstByteTimeout
+from .direct_get import BodyStalled, DirectGetUnsupported, DirectRangeReader, FirstByteTimeout
 from .hedge import Attempt, HedgeLost, Hedger
 from .latency import GetLatency
 from .retry import CircuitBreaker, RetryPolicy, call_with_retries, with_timeout
+from .stalls import StallAllowance
 
 log = logging.getLogger(__name__)
 
@@ -400,9 +403,17 @@ class S3Backend(ObjectBackend):
         total = sum(d.nbytes for d in dests)
         if total == 0:
             return 0 if await self.head(name) is not None else None
+        stalls = StallAllowance(self.first_byte_timeout_s)  # the read's silence, over its attempts
 
         async def attempt() -> int | None:
-            return await self.hedger.run(lambda a: self._get_once(key, offset, dests, total, a))
+            bound = stalls.bound()
+            try:
+                return await self.hedger.run(lambda a: self._get_once(key, offset, dests, total, a, bound))
+            except BodyStalled as e:
+                stalled = stalls.ended_in_silence(e)
+                if stalled is None:
+                    raise  # retried
+                raise stalled from e
 
         n = await self._call(attempt, f"GET {key} [{offset}, +{total})")
         self.stats.gets += 1
@@ -414,12 +425,13 @@ class S3Backend(ObjectBackend):
         return self.latency.expected_s(nbytes)
 
     async def _get_once(self, key: str, offset: int, dests: Sequence[memoryview], total: int,
-                        attempt: Attempt) -> int | None:
-        """One GET of the range (one attempt of a possibly hedged read): direct, else aiobotocore."""
+                        attempt: Attempt, first_byte_s: float) -> int | None:
+        """One GET of the range (one attempt of a possibly hedged read): direct, else aiobotocore.
+        ``first_byte_s``: how long it waits for its first response byte."""
         direct = self._direct
         if direct is not None:
             try:
-                got = await direct.get_range(key, offset, dests, attempt)
+                got = await direct.get_range(key, offset, dests, attempt, first_byte_timeout_s=first_byte_s)
                 self.stats.direct_gets += 1
                 return got
             except DirectGetUnsupported as e:  # raised before any body byte: nothing was stored
@@ -430,10 +442,10 @@ class S3Backend(ObjectBackend):
                 await direct.close()
         try:  # returns once the headers are in: this bounds the wait for the first byte
             resp = await with_timeout(or_missing(self._client.get_object(
-                Bucket=self.bucket, Key=key, Range=f"bytes={offset}-{offset + total - 1}")), self.first_byte_timeout_s)
+                Bucket=self.bucket, Key=key, Range=f"bytes={offset}-{offset + total - 1}")), first_byte_s)
         except (asyncio.TimeoutError, TimeoutError):
             attempt.no_first_byte()
-            raise FirstByteTimeout(f"no response within {self.first_byte_timeout_s}s of the request") from None
+            raise FirstByteTimeout(f"no response within {first_byte_s:.3g}s of the request") from None
         attempt.first_byte()
         if resp is None:
             return None
@@ -449,8 +461,8 @@ class S3Backend(ObjectBackend):
                     chunk = await with_timeout(body.read(min(_READ_CHUNK, total - out.written)),
                                                self.body_idle_timeout_s)
                 except (asyncio.TimeoutError, TimeoutError):
-                    raise _ShortBody(f"body stalled at {out.written} of {total} bytes for "
-                                     f"{self.body_idle_timeout_s}s") from None
+                    raise BodyStalled(f"body stalled at {out.written} of {total} bytes for "
+                                      f"{self.body_idle_timeout_s}s") from None
                 if not chunk:
                     raise _ShortBody(f"body ended at {out.written} of {total} bytes")
                 out.write(chunk)
