@@ -178,3 +178,28 @@ async def test_a_reset_that_never_arrives_costs_two_idle_timeouts_not_four(
     finally:
         proxy.set_mode("pass")
         await asyncio.to_thread(store.close)
+
+
+@PATHS
+async def test_a_stall_of_one_get_and_its_hedge_is_retried_and_served(
+        server: S3Server, proxy: FaultProxy, direct: bool) -> None:
+    """Not a stalled gateway but two lost requests (the GET and its hedge): the retry gets what
+    is left of the read's allowance, which is enough, and the read is served."""
+    backend = S3Backend(unique_bucket("stall1"), "s/", **{**server.backend_kwargs(), "endpoint_url": proxy.endpoint},
+                        direct_reads=direct)  # type: ignore[arg-type]
+    await backend.open()
+    try:
+        data = bytes(range(251)) * 400
+        await backend.put_object("o", data)
+        for _ in range(MIN_SAMPLES):  # a warm window: a late GET is hedged
+            assert await backend.get_range("o", 0, [memoryview(bytearray(len(data)))]) == len(data)
+        proxy.set_mode("stall", count=2)  # the next two connections never answer, then all do
+        proxy.sever()
+        buf = bytearray(len(data))
+        t0 = time.monotonic()
+        assert await asyncio.wait_for(backend.get_range("o", 0, [memoryview(buf)]), 20) == len(data)
+        assert bytes(buf) == data
+        assert backend.stats.hedges_sent == 1 and backend.stats.retries == 1
+        assert time.monotonic() - t0 >= backend.first_byte_timeout_s  # it did wait out the stall
+    finally:
+        await backend.close()
