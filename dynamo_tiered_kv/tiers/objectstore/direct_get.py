@@ -321,7 +321,7 @@ class DirectRangeReader:
         self._idle.clear()
 
     async def get_range(self, key: str, offset: int, dests: Sequence[memoryview],
-                        attempt: Attempt | None = None, *, first_byte_timeout_s: float | None = None) -> int | None:
+                        attempt: Attempt | None = None, first_byte_timeout_s: float | None = None) -> int | None:
         """Bytes ``[offset, offset + total)`` of ``key`` into ``dests``: ``total``, or None when the
         object is missing or shorter. Raises ``ClientError`` for S3 errors, ``ConnectionError``
         or ``TimeoutError`` for transport faults (``FirstByteTimeout``, ``HedgeLost`` among them),

@@ -431,7 +431,7 @@ class S3Backend(ObjectBackend):
         direct = self._direct
         if direct is not None:
             try:
-                got = await direct.get_range(key, offset, dests, attempt, first_byte_timeout_s=first_byte_s)
+                got = await direct.get_range(key, offset, dests, attempt, first_byte_s)
                 self.stats.direct_gets += 1
                 return got
             except DirectGetUnsupported as e:  # raised before any body byte: nothing was stored
