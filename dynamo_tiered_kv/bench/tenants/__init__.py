@@ -1,10 +1,13 @@
-"""tenants: a flooding tenant against per-tenant quotas, and what encryption at rest costs.
+"""tenants: a flooding tenant against per-tenant quotas, what encryption at rest costs, and erasure.
 
-Two measures on real tiers built by ``build_store`` (no engine; the synthetic engine layout of
+Three measures on real tiers built by ``build_store`` (no engine; the synthetic engine layout of
 ``restore_store``): ``flood`` (``flood.py``: each well-behaved tenant's hit rate with a tenant
 flooding the shared tiers, against the same workload without it, quotas on and off; what each
-tenant holds and retains per tier) and ``crypto`` (``crypto.py``: restore and write with
-encryption on against off, and the raw cipher rate). ``--quick`` runs both at small sizes.
+tenant holds and retains per tier), ``crypto`` (``crypto.py``: restore and write with encryption
+on against off, and the raw cipher rate) and ``erasure`` (``erasure.py``: ``dtkv tenants erase``
+against a running node and a new process on a second node's view; the erased tenant's bytes left
+readable anywhere). ``--measures`` picks them (default flood and crypto; ``--erasure`` is
+``--measures erasure``); ``--quick`` runs them at small sizes.
 """
 
 from __future__ import annotations
@@ -20,18 +23,21 @@ from ...errors import ConfigError
 from ..report import progress, table
 from ..restore_store import SHAPES
 from .crypto import run_crypto
+from .erasure import format_erasure, run_erasure
 from .flood import BLOCK_TOKENS, parse_weights, run_flood
 
 __all__ = ["add_arguments", "format_result", "run"]
 
-MEASURES = ("flood", "crypto")
+MEASURES = ("flood", "crypto", "erasure")
+DEFAULT_MEASURES = "flood,crypto"
 #: what ``--quick`` sets (each still overridable only by dropping --quick)
 QUICK = {"sessions": 2, "blocks": 4, "turns": 8, "flood_x": 1.5, "tokens": "256,1024", "rounds": 1,
-         "cipher_mib": 16}
+         "cipher_mib": 16, "erase_blocks": 4, "erase_refresh_s": 1.0, "erase_runs": 1}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--measures", default="flood,crypto", help="comma list of flood, crypto")
+    p.add_argument("--measures", default=None, help=f"comma list of {', '.join(MEASURES)} (default {DEFAULT_MEASURES})")
+    p.add_argument("--erasure", action="store_true", help="measure erasure: --measures erasure, or added to --measures")
     p.add_argument("--tenants", type=int, default=4, help="tenants, 2-8; the last one floods")
     p.add_argument("--weights", default=None,
                    help="comma list, one per well-behaved tenant: its working set is weight x --sessions "
@@ -52,6 +58,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="crypto: interleaved rounds (after one warm-up)")
     p.add_argument("--cipher-mib", type=int, default=256, help="crypto: bytes of the raw seal/open run")
     p.add_argument("--ssd-io", choices=["auto", "nixl", "odirect"], default="auto", help="SSD tier I/O path")
+    p.add_argument("--erase-blocks", type=int, default=64, help="erasure: blocks of each of the two tenants")
+    p.add_argument("--erase-refresh-s", type=float, default=30.0,
+                   help="erasure: the nodes' object_refresh_s (how often they see erasure markers)")
+    p.add_argument("--erase-runs", type=int, default=3, help="erasure: runs, each with encryption off and on")
+    p.add_argument("--erase-timeout-s", type=float, default=300.0,
+                   help="erasure: longest wait for a node to be clean (a run past it reports no time)")
+    p.add_argument("--erase-bucket", choices=["dir", "moto"], default="dir",
+                   help="erasure: the bucket without --s3-endpoint: a local directory or a moto server")
     p.add_argument("--s3-endpoint", default=None,
                    help="object tier on S3 at this endpoint (bucket $DTKV_S3_BUCKET or dtkv-bench); "
                         "default: a local directory")
@@ -59,10 +73,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> list[str]:
-    measures = [m.strip() for m in args.measures.split(",") if m.strip()]
+    given = args.measures if args.measures is not None else ("" if args.erasure else DEFAULT_MEASURES)
+    measures = [m.strip() for m in given.split(",") if m.strip()]
+    if args.erasure and "erasure" not in measures:
+        measures.append("erasure")
     bad = sorted(set(measures) - set(MEASURES))
     if bad or not measures:
         raise ConfigError(f"--measures: choose from {', '.join(MEASURES)}, got {args.measures!r}")
+    if args.erase_blocks < 1 or args.erase_runs < 1:
+        raise ConfigError("--erase-blocks and --erase-runs must be at least 1")
+    if not args.erase_refresh_s > 0 or not args.erase_timeout_s > 0:
+        raise ConfigError("--erase-refresh-s and --erase-timeout-s must be positive")
     if not 2 <= args.tenants <= 8:
         raise ConfigError(f"--tenants must be 2-8, got {args.tenants}")
     if args.share is not None and not 0 < args.share < 1:
@@ -97,6 +118,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "crypto" in measures:
             os.makedirs(os.path.join(root, "crypto"))
             out["crypto"] = run_crypto(args, os.path.join(root, "crypto"))
+        if "erasure" in measures:
+            os.makedirs(os.path.join(root, "erasure"))
+            out["erasure"] = run_erasure(args, os.path.join(root, "erasure"))
     out["load_avg_end"] = list(os.getloadavg())
     return out
 
@@ -169,5 +193,7 @@ def format_result(res: dict[str, Any]) -> str:
         out += _flood_tables(res["flood"])
     if "crypto" in res:
         out += _crypto_tables(res["crypto"])
+    if "erasure" in res:
+        out += format_erasure(res["erasure"])
     out.append(f"load average at end {' '.join(f'{x:.2f}' for x in res['load_avg_end'])}")
     return "\n\n".join(out)
