@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import struct
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import xxhash
@@ -35,6 +35,9 @@ from ..errors import (
 from .keys import KEY_BYTES
 from .layout import BlockShape, CanonicalFormat, DType, EngineLayout, EngineLayoutKind
 from .tenant import DEFAULT_TENANT, TENANT_BYTES
+
+if TYPE_CHECKING:
+    from ..staging.device_copy import RestoreSession
 
 MAGIC = b"DTKVBLK\x00"
 FORMAT_VERSION = 1
@@ -395,14 +398,25 @@ def decode_block(buf, layout: EngineLayout, block_id: int, *, namespace: bytes, 
     return hdr
 
 
+#: ``split(n, check)``: ``check(a, b)`` (the verification of records ``a:b``, thread-safe) over
+#: ``[0, n)``, possibly in ranges on several threads; the per-record results in order
+Split = Callable[[int, Callable[[int, int], list]], list]
+
+
 def decode_blocks(
-    buf, layout: EngineLayout, block_ids: Sequence[int], *, namespace: bytes, keys: Sequence[bytes]
+    buf, layout: EngineLayout, block_ids: Sequence[int], *, namespace: bytes, keys: Sequence[bytes],
+    session: RestoreSession | None = None, split: Split | None = None,
 ) -> list[RecordError | None]:
     """Batch ``decode_block`` over records laid back to back in ``buf`` (one staging slab).
 
     Returns one entry per record: None if it was verified and copied into ``block_ids[i]``, else
     the ``RecordError`` that rejected it (same partial-copy rule as ``decode_block``). Never
     raises for a bad record, so one corrupt block does not fail its neighbours.
+
+    ``session`` (CUDA layouts): the load this batch belongs to; the copy to the device is then
+    still in flight on return and ``buf`` stays unwritten until the session says it is done
+    (``RestoreSession.after``). None: the blocks hold the records on return. ``split``
+    (CUDA layouts): runs the host verification of the batch, e.g. on several threads.
     """
     a = _as_u8(buf)
     n = len(block_ids)
@@ -415,7 +429,8 @@ def decode_blocks(
         raise ValueError(f"buffer holds {a.nbytes} bytes, {n} records need {n * rb}")
     _check_block_ids(layout, block_ids)
     if layout.is_cuda:
-        return _decode_cuda([a[i * rb : (i + 1) * rb] for i in range(n)], layout, block_ids, namespace, keys, a)
+        return _decode_cuda([a[i * rb : (i + 1) * rb] for i in range(n)], layout, block_ids, namespace, keys, a,
+                            session, split)
     table = layout.fast_table()
     if table is None:
         out: list[RecordError | None] = []
@@ -445,11 +460,13 @@ def decode_blocks(
 
 def decode_records(
     records: Sequence[np.ndarray], layout: EngineLayout, block_ids: Sequence[int], *, namespace: bytes,
-    keys: Sequence[bytes]
+    keys: Sequence[bytes], session: RestoreSession | None = None
 ) -> list[RecordError | None]:
     """``decode_blocks`` over records that are not back to back (each a contiguous uint8 array of at
     least ``record_bytes``): verified and scattered where they lie, e.g. in the host tier's arena,
-    with no copy into a staging slab first. Same result and partial-copy rules."""
+    with no copy into a staging slab first. Same result and partial-copy rules; ``session`` as
+    there (CUDA layouts pack the records into the session's pinned scratch, so ``records`` are
+    free again on return)."""
     n = len(block_ids)
     if len(keys) != n or len(records) != n:
         raise ValueError("records, block_ids and keys must have the same length")
@@ -461,7 +478,7 @@ def decode_records(
         raise ValueError(f"every record must be a contiguous buffer of at least {rb} bytes")
     _check_block_ids(layout, block_ids)
     if layout.is_cuda:
-        return _decode_cuda(recs, layout, block_ids, namespace, keys, None)
+        return _decode_cuda(recs, layout, block_ids, namespace, keys, None, session)
     table = layout.fast_table()
     if table is None:
         return [decode_blocks(r, layout, [b], namespace=namespace, keys=[k])[0]
@@ -475,29 +492,39 @@ def decode_records(
 
 
 def _decode_cuda(recs: Sequence[np.ndarray], layout: EngineLayout, block_ids: Sequence[int], namespace: bytes,
-                 keys: Sequence[bytes], chunk: np.ndarray | None) -> list[RecordError | None]:
-    """CUDA batch restore: every record verified on the host first, then the good ones reach the
-    engine with one host-to-device copy and one scatter (``device_copy.restore_records``)."""
-    errors: list[RecordError | None] = [None] * len(recs)
-    for i, r in enumerate(recs):
-        try:
-            _verify_to_serve(r, namespace, keys[i], layout.shape)
-        except RecordError as e:
-            errors[i] = e
+                 keys: Sequence[bytes], chunk: np.ndarray | None, session: RestoreSession | None = None,
+                 split: Split | None = None) -> list[RecordError | None]:
+    """CUDA batch restore: every record verified on the host first (through ``split`` if given),
+    then the good ones reach the engine with one host-to-device copy and one scatter
+    (``device_copy.restore_records``), queued in ``session`` (the host verifies the next batch
+    while this one's copy runs)."""
+
+    def check(a: int, b: int) -> list[RecordError | None]:  # reads only: any thread
+        out: list[RecordError | None] = []
+        for i in range(a, b):
+            try:
+                _verify_to_serve(recs[i], namespace, keys[i], layout.shape)
+                out.append(None)
+            except RecordError as e:
+                out.append(e)
+        return out
+
+    errors = check(0, len(recs)) if split is None else split(len(recs), check)
     good = [i for i in range(len(recs)) if errors[i] is None]
     if good:
         whole = chunk if len(good) == len(recs) else None  # back to back and all good: upload as is
-        _restore_cuda(layout, [recs[i] for i in good], [block_ids[i] for i in good], whole)
+        _restore_cuda(layout, [recs[i] for i in good], [block_ids[i] for i in good], whole, session)
     return errors
 
 
 def _restore_cuda(layout: EngineLayout, recs: Sequence[np.ndarray], block_ids: Sequence[int],
-                  chunk: np.ndarray | None) -> None:
+                  chunk: np.ndarray | None, session: RestoreSession | None = None) -> None:
     from ..staging.device_copy import restore_records
 
     shape = layout.shape
     restore_records(recs, layout.layer_views, layout.device, block_ids, record_bytes=record_bytes(shape),
-                    header_bytes=header_bytes(shape.num_layers), layer_bytes=shape.layer_bytes, chunk=chunk)
+                    header_bytes=header_bytes(shape.num_layers), layer_bytes=shape.layer_bytes, chunk=chunk,
+                    session=session)
 
 
 def _errors(status: np.ndarray, rec: Callable[[int], np.ndarray], layout: EngineLayout, namespace: bytes,

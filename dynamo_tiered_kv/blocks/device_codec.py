@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import ChecksumMismatch, RecordError, RecordSealed
+from ..staging.device_copy import RestoreSession, ids_on
 from ..staging.device_slabs import synchronize
 from .codec import (
     _check_block_ids,
@@ -47,12 +48,19 @@ def _records(buf: torch.Tensor, n: int, rb: int) -> torch.Tensor:
     return buf[: n * rb].view(n, rb)
 
 
-def _layer_sums(recs: torch.Tensor, hb: int, nl: int, lb: int) -> np.ndarray:
-    """Per-record, per-layer XXH3-64 of the payloads, computed on the records' device -> host [n, nl] u64."""
+def _layer_sums_on_device(recs: torch.Tensor, hb: int, nl: int, lb: int) -> torch.Tensor:
+    """Per-record, per-layer XXH3-64 of the payloads, on the records' device: int64 [n * nl] (u64 bits)."""
     from ..kernels import xxh3_64_rows
 
-    rows = recs[:, hb : hb + nl * lb].unflatten(1, (nl, lb)).flatten(0, 1)  # a view: one row per layer
-    return xxh3_64_rows(rows).cpu().numpy().view(np.uint64).reshape(recs.shape[0], nl)
+    # one row per layer: a copy of the payloads, not a view (records are longer than their payloads,
+    # so records x layers does not flatten into one strided dimension)
+    rows = recs[:, hb : hb + nl * lb].unflatten(1, (nl, lb)).flatten(0, 1)
+    return xxh3_64_rows(rows)
+
+
+def _layer_sums(recs: torch.Tensor, hb: int, nl: int, lb: int) -> np.ndarray:
+    """Per-record, per-layer XXH3-64 of the payloads, computed on the records' device -> host [n, nl] u64."""
+    return _layer_sums_on_device(recs, hb, nl, lb).cpu().numpy().view(np.uint64).reshape(recs.shape[0], nl)
 
 
 def encode_blocks_on_device(
@@ -94,12 +102,20 @@ def encode_blocks_on_device(
 
 
 def decode_blocks_on_device(
-    records: torch.Tensor, layout: EngineLayout, block_ids: Sequence[int], *, namespace: bytes, keys: Sequence[bytes]
+    records: torch.Tensor, layout: EngineLayout, block_ids: Sequence[int], *, namespace: bytes, keys: Sequence[bytes],
+    session: RestoreSession | None = None,
 ) -> list[RecordError | None]:
     """Verify records laid back to back in ``records`` (device memory) and scatter the good ones.
 
     Returns one entry per record: None if it was verified and copied into ``block_ids[i]``, else
     the ``RecordError`` that rejected it (nothing of a rejected record reaches the engine).
+
+    Runs on the calling thread's restore stream, under the records' device (a tensor-parallel
+    rank's restore never launches on device 0), in ``session`` (``device_copy.RestoreSession``):
+    the per-layer checksums and the headers reach the host with one wait, the host checks them,
+    and the good records are scattered after the engine's mark, never after forwards queued since.
+    The scatter is still in flight on return: ``records`` stays unwritten until the session says
+    it is done (``RestoreSession.after``). None: a one-chunk session, done on return.
     """
     from ..kernels import scatter_records
 
@@ -114,8 +130,23 @@ def decode_blocks_on_device(
         return []
     _check_block_ids(layout, block_ids)
     recs = _records(records, n, rb)
-    heads = recs[:, :hb].cpu().numpy()
-    sums = _layer_sums(recs, hb, nl, lb)
+    if session is None:
+        with RestoreSession(records.device) as one:
+            return decode_blocks_on_device(records, layout, block_ids, namespace=namespace, keys=keys, session=one)
+    device = records.device
+    pin = device.type == "cuda"
+    host: dict[str, torch.Tensor] = {}
+
+    def checks() -> None:  # reads only the records (no engine block): does not wait for the mark
+        sums = _layer_sums_on_device(recs, hb, nl, lb)
+        host["sums"] = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=pin)
+        host["sums"].copy_(sums, non_blocking=True)
+        host["heads"] = torch.empty((n, hb), dtype=torch.uint8, pin_memory=pin)
+        host["heads"].copy_(recs[:, :hb], non_blocking=True)
+
+    session.fetch(checks)  # the chunk's one host wait
+    heads = host["heads"].numpy()
+    sums = host["sums"].numpy().view(np.uint64).reshape(n, nl)
     errors: list[RecordError | None] = [None] * n
     for i in range(n):
         try:
@@ -131,10 +162,16 @@ def decode_blocks_on_device(
             errors[i] = ChecksumMismatch(f"layer {int(bad[0])} payload checksum mismatch (key {keys[i].hex()})")
     good = [i for i in range(n) if errors[i] is None]
     if good:
-        src = recs if len(good) == n else recs[torch.as_tensor(good, device=recs.device)]
-        ids = torch.as_tensor([block_ids[i] for i in good], dtype=torch.int64)
-        scatter_records(src.reshape(-1), _engine_views(layout), ids, record_bytes=rb, header_bytes=hb,
-                        layer_bytes=lb)
-        synchronize(records.device)  # this stream's scatter only, not the whole device
-    return errors
+        views = _engine_views(layout)
+        st: dict[str, torch.Tensor] = {}
 
+        def pick() -> None:  # the good records and their blocks, on the restore stream
+            st["ids"] = ids_on([block_ids[i] for i in good], device)
+            st["src"] = recs if len(good) == n else recs.index_select(0, ids_on(good, device))
+
+        def scatter() -> None:
+            scatter_records(st["src"].reshape(-1), views, st["ids"], record_bytes=rb, header_bytes=hb,
+                            layer_bytes=lb)
+
+        session.queue(upload=pick, scatter=scatter)
+    return errors

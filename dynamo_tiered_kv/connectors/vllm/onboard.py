@@ -19,6 +19,8 @@ Rules this module keeps:
 * Failures and the finish are reported in the same step (vLLM requires failed blocks no later
   than the step that reports the request finished).
 * After a cache reset (new weights) restores still in flight report every block failed.
+* A restore's device work orders after the engine's point when vLLM started it (``mark``,
+  recorded on the engine thread at submission), not after forwards the engine queued since.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-#: load(block_ids, keys, timeout_s) -> LoadResult-like (loaded_block_ids, failed_block_ids, tier_per_block)
-LoadFn = Callable[[list[int], list[Any], float], Any]
+#: load(block_ids, keys, timeout_s, mark) -> LoadResult-like (loaded_block_ids, failed_block_ids,
+#: tier_per_block); ``mark``: what ``submit`` was given (the engine's device event, or None)
+LoadFn = Callable[[list[int], list[Any], float, Any], Any]
 
 
 @dataclass
@@ -68,6 +71,7 @@ class _Job:
     failed: list[int] = field(default_factory=list)
     tiers: list[str] = field(default_factory=list)
     future: Future[None] | None = None
+    mark: Any = None  # the engine's point the restore's device work orders after (opaque here)
 
 
 class Onboarder:
@@ -83,9 +87,10 @@ class Onboarder:
         self._jobs: dict[str, list[_Job]] = {}  # per request: normally one; all reported together
         self._closed = False
 
-    def submit(self, req_id: str, block_ids: Sequence[int], keys: Sequence[Any]) -> None:
+    def submit(self, req_id: str, block_ids: Sequence[int], keys: Sequence[Any], mark: Any = None) -> None:
+        """Queue a restore; ``mark`` is handed to the load function as is (engine thread)."""
         now = time.monotonic()
-        job = _Job(req_id, list(block_ids), list(keys), now, now + self.timeout_s)
+        job = _Job(req_id, list(block_ids), list(keys), now, now + self.timeout_s, mark=mark)
         with self._lock:
             self._jobs.setdefault(req_id, []).append(job)
             if self._closed:
@@ -113,7 +118,7 @@ class Onboarder:
                         job.req_id, len(job.block_ids), self.timeout_s)
         else:
             try:
-                res = self._load(job.block_ids, job.keys, left)
+                res = self._load(job.block_ids, job.keys, left, job.mark)
                 failed, tiers = list(res.failed_block_ids), list(res.tier_per_block)
             except Exception:  # a restore must end in a report, whatever happened: recompute
                 log.exception("request %s: restore failed; its blocks are recomputed", job.req_id)

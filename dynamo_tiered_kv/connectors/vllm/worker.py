@@ -159,17 +159,35 @@ class WorkerRole:
                 sync.append(spec)
             elif self.store is None or self.layout is None:
                 self._onboard.submit_failed(spec.req_id, spec.block_ids)
-            else:  # keys now: the namespace is the engine thread's
-                self._onboard.submit(spec.req_id, spec.block_ids, self.keys_of(spec.token_hashes))
+            else:  # keys and the engine's device point now: both are the engine thread's
+                self._onboard.submit(spec.req_id, spec.block_ids, self.keys_of(spec.token_hashes),
+                                     mark=self._engine_mark())
         if sync:
             self._load_sync(sync)
 
-    def _restore(self, block_ids: list[int], keys: list[Any], timeout: float) -> Any:
-        """One async restore, on an onboarding thread (``TieredStore.load`` allows any thread)."""
+    def _engine_mark(self) -> Any:
+        """For an async restore of a CUDA layout, on the engine thread: an event after the kernels
+        the engine queued so far, which may still read the request's new blocks. The restore's
+        scatters wait for it alone, not for the forwards queued while it runs. None on CPU."""
+        layout = self.layout
+        if layout is None or not getattr(layout, "is_cuda", False):
+            return None
+        from ...staging.device_copy import engine_mark
+
+        return engine_mark(layout.device)
+
+    def _restore(self, block_ids: list[int], keys: list[Any], timeout: float, mark: Any = None) -> Any:
+        """One async restore, on an onboarding thread (``TieredStore.load`` allows any thread),
+        ordered after ``mark`` (``_engine_mark``) on the device."""
         store, layout = self.store, self.layout
         if store is None or layout is None:
             raise RuntimeError("store closed")
-        return store.load(layout, block_ids, keys, timeout=timeout, pacer=self._pacer)
+        if mark is None:
+            return store.load(layout, block_ids, keys, timeout=timeout, pacer=self._pacer)
+        from ...staging.device_copy import restore_after
+
+        with restore_after(mark):
+            return store.load(layout, block_ids, keys, timeout=timeout, pacer=self._pacer)
 
     def get_finished(self, finished_req_ids: set[str], idle: bool = False) -> set[str]:
         """Requests whose async restore is over; their failed blocks go into this step's load errors.

@@ -15,6 +15,10 @@ scattered on the calling thread, several chunks in flight.
   read concurrently with one ``read_many`` each; one wake-up of the caller per chunk.
 * Host-tier chunks of CPU layouts are verified and scattered straight from the host arena
   (records pinned against eviction meanwhile): no copy into a slab at all.
+* A CUDA layout's load is one ``device_copy.RestoreSession``: every chunk's scatter waits for one
+  engine mark (the caller's ``restore_after``, else the load's start), and a chunk's copy runs
+  while the next chunk is verified; a slab goes back to the pool once the copies reading it are
+  done (the host waits only when this load needs a slab it still holds, or at the end).
 * If the caller stops waiting (timeout, an earlier chunk failed), the reader frees the slab when
   its I/O returns, so no tier ever writes into a slab that was handed out again (failure rule 6).
 * With ``recompute_tokens_per_s`` set, a restore never waits on the object tier longer than
@@ -41,6 +45,7 @@ from ...blocks.codec import decode_blocks, decode_records, record_bytes
 from ...blocks.keys import BlockKey
 from ...blocks.layout import EngineLayout
 from ...policy.pacing import SLICE_BYTES, Pacer
+from ...staging.device_copy import RestoreSession
 from ...staging.device_slabs import DeviceSlab
 from ...staging.slabs import Slab, StagingPool
 from ...tiers.base import ReadBudget, ReadRequest, Tier, read_budget
@@ -156,9 +161,11 @@ class ChunkReader:
         in_place_ok = layout.fast_table() is not None
         budget, budget_binding = self._budget(layout, keys, deadline)
         inflight: deque[ChunkRead] = deque()
-        # compiled layouts only: the Python path holds the GIL, threads would take turns
-        ways = (None if decode_threads is None else max(1, decode_threads)) if in_place_ok else 1
+        # compiled layouts and CUDA ones (verify only; XXH3 drops the GIL on each layer): the CPU
+        # Python path holds the GIL, threads would take turns
+        ways = (None if decode_threads is None else max(1, decode_threads)) if in_place_ok or layout.is_cuda else 1
         decoder = _ChunkDecoder(pacer, deadline, rb, ways)
+        session = RestoreSession(layout.device) if layout.is_cuda else None  # module docstring
         next_i = 0
         spans: dict[int, list[tuple[float, float]]] = {}
         nbytes: dict[int, int] = {}
@@ -203,6 +210,8 @@ class ChunkReader:
 
         try:
             while per_chunk > 0 and not self._state.closed:
+                if not inflight and session is not None and next_i < n and not session.settle():
+                    break  # (settled: the wait for a slab below must not wait on slabs this load holds)
                 if not inflight and (next_i >= n or not start(remaining())):
                     break
                 # read ahead into slabs free right now, leaving one for offloads; while the pacer
@@ -238,7 +247,7 @@ class ChunkReader:
                 for ti, b in rd.nbytes.items():
                     nbytes[ti] = nbytes.get(ti, 0) + b
                 t0 = time.perf_counter()
-                ok = self._decode_chunk(layout, rd, sources, block_ids, keys, rb, loaded, tiers_of, decoder)
+                ok = self._decode_chunk(layout, rd, sources, block_ids, keys, rb, loaded, tiers_of, decoder, session)
                 st.decode_s += time.perf_counter() - t0
                 if ok < rd.end - rd.start:
                     break
@@ -247,6 +256,10 @@ class ChunkReader:
                 self._abandon(inflight.popleft())
             st.paced_s = decoder.waited_s
             st.decode_s -= decoder.waited_s
+            t0 = time.perf_counter()
+            if session is not None and not session.finish():  # then the blocks hold the records
+                del loaded[:], tiers_of[:]  # the device failed: nothing restored can be trusted
+            st.decode_s += time.perf_counter() - t0
         if len(loaded) < n:
             self._count_abandoned(budget, budget_binding, deadline)
         for ti, sp in spans.items():
@@ -305,9 +318,12 @@ class ChunkReader:
 
     def _decode_chunk(self, layout: EngineLayout, rd: ChunkRead, sources: list[int | None],
                       block_ids: Sequence[int], keys: Sequence[BlockKey], rb: int, loaded: list[int],
-                      tiers_of: list[str], decoder: _ChunkDecoder) -> int:
-        """Verify+scatter one read chunk; hand its slab on (promotion) or free it. Returns #restored."""
+                      tiers_of: list[str], decoder: _ChunkDecoder, session: RestoreSession | None = None) -> int:
+        """Verify+scatter one read chunk; hand its slab on (promotion) or free it. Returns #restored.
+        ``session`` (CUDA layouts): the load's; the slab is handed on once its copies are done."""
         start, slab = rd.start, rd.slab
+        # the slab's next holder may write it: not while a copy of this load still reads it
+        later = session.after if session is not None else lambda fn: fn()
         n_read = next((j for j, src in enumerate(sources) if src is None), len(sources))
         # One batched verify+scatter of everything read; blocks after a failure are reported
         # failed whatever their own status (the engine recomputes from the first one).
@@ -319,22 +335,24 @@ class ChunkReader:
                 from ...blocks.device_codec import decode_blocks_on_device
 
                 errors = decode_blocks_on_device(slab.tensor[:n_read * rb], layout, ids, namespace=self._ns_digest,
-                                                 keys=ks)
+                                                 keys=ks, session=session)
             else:
                 arr = slab.array
-                errors = decoder(n_read, lambda a, b: decode_blocks(arr[a * rb:b * rb], layout, ids[a:b],
-                                                                  namespace=self._ns_digest, keys=ks[a:b]))
+                errors = decode_blocks(arr[:n_read * rb], layout, ids, namespace=self._ns_digest, keys=ks,
+                                       session=session, split=decoder) if session is not None else \
+                    decoder(n_read, lambda a, b: decode_blocks(arr[a * rb:b * rb], layout, ids[a:b],
+                                                               namespace=self._ns_digest, keys=ks[a:b]))
         except Exception:  # not a bad record but a broken decode (e.g. CUDA OOM): fail the rest, keep serving
             log.exception("decoding a load chunk failed; its blocks will be recomputed")
-            self._writer.release(slab)
+            later(lambda: self._writer.release(slab))
             return 0
         promote: list[tuple[int, BlockKey, list[int]]] = []
         ok = self._account(start, sources[:n_read], errors, block_ids, keys, loaded, tiers_of,
                            None if isinstance(slab, DeviceSlab) else promote)
         if promote:
-            self._state.schedule(self._writer.write_slab(slab, rb, promote))
+            later(lambda: self._state.schedule(self._writer.write_slab(slab, rb, promote)))
         else:
-            self._writer.release(slab)
+            later(lambda: self._writer.release(slab))
         return ok
 
     def _account(self, start: int, sources: Sequence[int | None], errors: Sequence[Any],
