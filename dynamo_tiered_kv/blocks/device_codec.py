@@ -6,6 +6,11 @@ can write a record straight from GPU memory and read it straight back: payloads 
 (``kernels.xxh3_64_rows``), and only the small headers cross to the host, where they are built
 and parsed by the same code as the host path.
 
+Encoding comes in two halves (``begin_encode_on_device``, ordered by ``staging.device_save``): the
+engine thread only queues the gather, after the forward that wrote the blocks, and returns; a
+writer thread queues the checksums, copies them to pinned host memory, builds the headers and
+copies them back, and returns once the slab holds whole records.
+
 Verification before use is the same contract as ``codec.decode_blocks``: a record whose header,
 identity or any layer checksum is wrong is reported and never scattered into the engine; the
 others are.
@@ -15,13 +20,17 @@ Every function works on any torch device. CPU tensors are how CI exercises it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import ChecksumMismatch, RecordError, RecordSealed
+from ..staging import device_save
 from ..staging.device_copy import RestoreSession, ids_on
+from ..staging.device_order import Ops
 from ..staging.device_slabs import synchronize
 from .codec import (
     _check_block_ids,
@@ -34,6 +43,8 @@ from .codec import (
 from .keys import KEY_BYTES
 from .layout import EngineLayout
 from .tenant import DEFAULT_TENANT
+
+log = logging.getLogger(__name__)
 
 
 def _engine_views(layout: EngineLayout) -> list[torch.Tensor]:
@@ -75,8 +86,36 @@ def encode_blocks_on_device(
 ) -> int:
     """Encode engine blocks of ``tenant`` back to back into ``out`` (device memory). Returns the bytes written.
 
-    Returns once the records are complete in ``out`` (an event on this thread's stream), so the
-    engine may reuse its blocks and a GDS write may start.
+    Both halves of ``begin_encode_on_device`` on the calling thread: returns once the records are
+    complete in ``out`` (blocking on the gather and the checksums, so not for an engine thread).
+    """
+    return begin_encode_on_device(layout, block_ids, namespaces, keys, parents, out, tenant=tenant)()
+
+
+def begin_encode_on_device(
+    layout: EngineLayout,
+    block_ids: Sequence[int],
+    namespaces: Sequence[bytes],
+    keys: Sequence[bytes],
+    parents: Sequence[bytes],
+    out: torch.Tensor,
+    *,
+    tenant: bytes = DEFAULT_TENANT,
+    ops: Ops | None = None,
+    save: Any = None,
+    writer: Any = None,
+) -> Callable[[], int]:
+    """Start encoding engine blocks of ``tenant`` into ``out`` (device memory); returns the second half.
+
+    The calling (engine) thread only queues the gather of the payloads into ``out``, after the
+    engine's queued forward and before its later kernels (``device_save.queue_gather``): it never
+    waits for the device. The returned callable, run on a writer thread, queues the checksums,
+    builds the headers and returns the bytes written once ``out`` holds whole records
+    (``device_save.finish``); ``out`` must not be read, reused or freed before it returned or
+    raised. Bad arguments raise at once, on the calling thread.
+
+    ``ops``, ``save``, ``writer``: the stream/event interface and the save and writer streams
+    (default: ``torch.cuda``'s for a CUDA ``out``, run-at-once stand-ins for a CPU one).
     """
     from ..kernels import gather_records
 
@@ -86,19 +125,78 @@ def encode_blocks_on_device(
     if not (len(namespaces) == len(keys) == len(parents) == n):
         raise ValueError("block_ids, namespaces, keys and parents must have the same length")
     if n == 0:
-        return 0
+        return lambda: 0
     _check_block_ids(layout, block_ids)
     recs = _records(out, n, rb)
-    ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
-    gather_records(_engine_views(layout), ids, out, record_bytes=rb, header_bytes=hb, layer_bytes=lb)
-    recs[:, hb + shape.payload_bytes :].zero_()  # deterministic padding
-    sums = _layer_sums(recs, hb, nl, lb)  # waits for the gather: the sums are copied to the host
-    heads = np.zeros((n, hb), np.uint8)
-    for i in range(n):
-        _write_header(heads[i], shape, layout.kind, namespaces[i], keys[i], parents[i], sums[i], tenant)
-    recs[:, :hb].copy_(torch.from_numpy(heads))
-    synchronize(out.device)
-    return n * rb
+    device = out.device
+    ops = ops if ops is not None else device_save.ops_for(device)
+    views = _engine_views(layout)
+    ids: list[torch.Tensor] = []
+
+    def upload_ids() -> None:
+        ids.append(device_save.ids_on(block_ids, device))
+
+    def gather() -> None:
+        gather_records(views, ids[0], out, record_bytes=rb, header_bytes=hb, layer_bytes=lb)
+
+    with device_save.device_guard(device):
+        gathered = device_save.queue_gather(ops, device, save if save is not None else device_save.save_stream(device),
+                                            upload_ids=upload_ids, gather=gather)
+    ns, ks, ps = list(namespaces), list(keys), list(parents)
+
+    def seal() -> int:
+        host: dict[str, torch.Tensor] = {}
+
+        def checksum() -> None:  # device work, reading only the slab
+            recs[:, hb + shape.payload_bytes :].zero_()  # deterministic padding
+            sums = _layer_sums_on_device(recs, hb, nl, lb)
+            host["sums"] = device_save.host_buffer((n * nl,), torch.int64, device)
+            host["sums"].copy_(sums, non_blocking=True)
+
+        def headers() -> None:  # host, once the sums are there
+            sums = host["sums"].numpy().view(np.uint64).reshape(n, nl)
+            heads = device_save.host_buffer((n, hb), torch.uint8, device)
+            rows = heads.numpy()
+            rows.fill(0)
+            for i in range(n):
+                _write_header(rows[i], shape, layout.kind, ns[i], ks[i], ps[i], sums[i], tenant)
+            host["heads"] = heads
+
+        def upload() -> None:  # one contiguous copy from pinned memory, then a device copy into the header rows
+            recs[:, :hb].copy_(host["heads"].to(device, non_blocking=True))
+
+        with device_save.device_guard(device):
+            device_save.finish(ops, writer if writer is not None else device_save.writer_stream(device), gathered,
+                               checksum=checksum, headers=headers, upload=upload)
+        return n * rb
+
+    return seal
+
+
+def warm_up_device_kernels(layout: EngineLayout) -> None:
+    """Compile and build now, not on the first save or restore, what a CUDA engine's saves and
+    restores launch: the gather/scatter kernel for this layout's record geometry
+    (``kernels.gather_scatter.warm_up``: block 0 is copied out and back, unchanged) and the
+    checksum tables on the engine's device. Call at KV cache registration, before the engine
+    runs, on the registering thread; waits for the device. Never raises: a failure is logged and
+    left to the first save or restore (which then compiles, as without this call)."""
+    if not layout.is_cuda:
+        return
+    from ..kernels import xxh3_64_rows
+    from ..kernels.gather_scatter import warm_up
+
+    shape = layout.shape
+    try:
+        views = _engine_views(layout)
+        warm_up(views, record_bytes=record_bytes(shape), header_bytes=header_bytes(shape.num_layers),
+                layer_bytes=shape.layer_bytes)
+        device = views[0].device
+        with device_save.device_guard(device):
+            xxh3_64_rows(torch.zeros((1, shape.layer_bytes), dtype=torch.uint8, device=device))
+            synchronize(device)
+    except Exception as e:  # the first save or restore compiles instead
+        log.warning("warming up the KV copy kernels failed (%s: %s); the first save or restore compiles them",
+                    type(e).__name__, e)
 
 
 def decode_blocks_on_device(

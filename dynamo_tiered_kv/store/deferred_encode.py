@@ -9,6 +9,10 @@ next kernel that could overwrite a reused block starts after the gather read it;
 thread never blocks). The second half (wait for the copy, per-layer
 checksums, headers) runs on the store's writer thread before the records go to any tier.
 
+A GPU-direct save (into a device slab) is split the same way by
+``device_codec.begin_encode_on_device``: the engine thread queues the gather, the writer runs
+the checksums and headers.
+
 CPU layouts encode in one fused pass (gather + checksum while the bytes are in cache, compiled,
 GIL released) on the calling thread: splitting it would read every byte twice, so the returned
 second half has nothing left to do.

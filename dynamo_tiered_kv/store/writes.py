@@ -3,9 +3,10 @@ the engine's thread, then into the tiers on the store's loop.
 
 * ``submit_offload`` never waits: the per-block target tiers (written tiers that lack the block,
   admit it and have no save of it in flight: ``StoreState.claim_saves``), a staging slab taken
-  without waiting, the blocks gathered and encoded into it (on the device for GPU-direct tiers;
-  a CUDA engine's checksums are left to the writer, ``deferred_encode``), the slab handed to the
-  loop. Every drop is counted by its reason; every save skipped because one is in flight too.
+  without waiting, the blocks gathered into it (into a device slab for GPU-direct tiers,
+  ``device_codec.begin_encode_on_device``; else a host slab, ``deferred_encode``); a CUDA
+  engine's gather is only queued, and checksums and headers are left to the writer), the slab
+  handed to the loop. Every drop is counted by its reason; every save skipped because one is in flight too.
 * ``write_slab`` / ``write_tier`` (loop thread): each tier gets its records as one
   ``write_many``; what a tier kept is tracked for TTL and reported to the residency listener.
 * The slab choice: a device slab when every target tier moves records GPU-direct, else a host
@@ -127,10 +128,10 @@ class OffloadWriter:
             try:
                 args = (layout, [block_ids[i] for i, _ in chunk], [self._ns_digest] * len(chunk),
                         [keys[i] for i, _ in chunk], [parents[i] for i, _ in chunk])
-                if isinstance(slab, DeviceSlab):
-                    from ..blocks.device_codec import encode_blocks_on_device
+                if isinstance(slab, DeviceSlab):  # only the gather is queued here: checksums, headers: the writer's
+                    from ..blocks.device_codec import begin_encode_on_device
 
-                    encode_blocks_on_device(*args, slab.tensor, tenant=tenant)
+                    seal = begin_encode_on_device(*args, slab.tensor, tenant=tenant)
                 else:  # a CUDA engine's copy is only queued here: checksums are the writer's (seal)
                     seal = begin_encode(*args, slab.array, tenant=tenant)
             except Exception:
