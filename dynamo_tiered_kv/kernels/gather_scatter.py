@@ -3,12 +3,20 @@
 Record geometry (docs/FORMAT.md): record ``i`` starts at ``i * record_bytes``; layer ``j`` of its
 payload starts at ``header_bytes + j * layer_bytes`` and holds ``planes`` equal parts.
 Engine geometry: per layer a byte view ``[num_blocks, planes, plane_bytes]`` (``EngineLayout.layer_views``).
+
+The Triton kernel moves 16 bytes per access (128-bit loads and stores) when every address,
+stride, offset and size it forms is a multiple of 16 (``vector_bytes``; real KV layouts are),
+else one byte per access. It launches under the tensors' device (``torch.cuda.device``), so a
+tensor-parallel rank's copy never lands on device 0. ``warm_up`` compiles it at KV cache
+registration rather than on the first save or restore.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -107,6 +115,9 @@ def scatter_records(
         v.index_copy_(0, ids, src[:, j].to(dev, non_blocking=True).reshape(n, *v.shape[1:]))
 
 
+#: bytes per access of the vectorized kernel: one 128-bit load/store per thread per step
+VECTOR_BYTES = 16
+
 if _HAVE_TRITON:
 
     @triton.jit
@@ -123,6 +134,7 @@ if _HAVE_TRITON:
         planes,
         GATHER: tl.constexpr,
         CHUNK: tl.constexpr,
+        VEC: tl.constexpr,
     ):
         # grid: (n blocks, layers * planes, chunks per plane)
         i = tl.program_id(0)
@@ -132,10 +144,18 @@ if _HAVE_TRITON:
         plane = lp % planes
         b = tl.load(block_ids + i).to(tl.int64)
         base = tl.load(layer_ptrs + layer).to(tl.pointer_type(tl.uint8))
+        eng0 = base + b * block_stride + plane * plane_stride
+        rec0 = rec_ptr + i.to(tl.int64) * record_bytes + header_bytes + layer * layer_bytes + plane * plane_bytes
+        if VEC > 1:
+            # the host checked that every base address, stride, offset and size is a multiple of
+            # VEC bytes: said here, the compiler moves VEC bytes per access instead of one (the
+            # layer addresses come from memory, so it cannot know their alignment by itself)
+            eng0 = tl.multiple_of(eng0, VEC)
+            rec0 = tl.multiple_of(rec0, VEC)
         offs = c * CHUNK + tl.arange(0, CHUNK)
         mask = offs < plane_bytes
-        eng = base + b * block_stride + plane * plane_stride + offs
-        rec = rec_ptr + i.to(tl.int64) * record_bytes + header_bytes + layer * layer_bytes + plane * plane_bytes + offs
+        eng = eng0 + offs
+        rec = rec0 + offs
         if GATHER:
             tl.store(rec, tl.load(eng, mask=mask), mask=mask)
         else:
@@ -147,7 +167,8 @@ _tables: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
 
 def _pointer_table(layer_views: Sequence[torch.Tensor]) -> torch.Tensor:
     """The layers' base addresses on their device, built once per set of KV tensors (an engine
-    registers its caches once), so no call pays a host-to-device copy for it."""
+    registers its caches once, and ``warm_up`` builds its table then). The upload goes through
+    pinned memory without blocking: a first save queued behind a forward does not wait for it."""
     dev = layer_views[0].device
     key = (dev, tuple(v.data_ptr() for v in layer_views))
     t = _tables.get(key)
@@ -155,8 +176,23 @@ def _pointer_table(layer_views: Sequence[torch.Tensor]) -> torch.Tensor:
         if len(_tables) >= 64:  # tests and benches build many layouts; an engine keeps one
             _tables.clear()
         host = torch.tensor(key[1], dtype=torch.int64)
-        t = _tables[key] = host.to(dev) if dev.type == "cuda" else host
+        t = _tables[key] = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host
     return t
+
+
+def vector_bytes(layer_views: Sequence[torch.Tensor], records: torch.Tensor, record_bytes: int, header_bytes: int,
+                 layer_bytes: int) -> int:
+    """Bytes per access the kernel may use for these views and records: ``VECTOR_BYTES`` when every
+    address and offset it forms is a multiple of it, else 1 (byte accesses, any alignment)."""
+    v0 = layer_views[0]
+    sizes = [records.data_ptr(), record_bytes, header_bytes, layer_bytes, int(v0.shape[2]), v0.stride(0),
+             v0.stride(1), *(v.data_ptr() for v in layer_views)]
+    return VECTOR_BYTES if all(x % VECTOR_BYTES == 0 for x in sizes) else 1
+
+
+def _device_guard(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Launch on the tensors' device, not the thread's current one (device 0 unless set)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _triton_move(
@@ -173,23 +209,45 @@ def _triton_move(
     planes, plane_bytes = int(v0.shape[1]), int(v0.shape[2])
     if any(v.stride() != v0.stride() for v in layer_views):
         raise ValueError("all layer views must share strides")
-    ptrs = _pointer_table(layer_views)
-    ids = block_ids.to(dtype=torch.int64)
-    if ids.device != v0.device:
-        ids = (ids.pin_memory() if v0.device.type == "cuda" else ids).to(v0.device, non_blocking=True)
-    chunk = 4096
-    grid = (int(ids.numel()), len(layer_views) * planes, triton.cdiv(plane_bytes, chunk))
-    _move_kernel[grid](
-        ptrs,
-        ids,
-        records,
-        v0.stride(0),
-        v0.stride(1),
-        plane_bytes,
-        record_bytes,
-        header_bytes,
-        layer_bytes,
-        planes,
-        GATHER=gather,
-        CHUNK=chunk,
-    )
+    with _device_guard(v0.device):
+        ptrs = _pointer_table(layer_views)
+        ids = block_ids.to(dtype=torch.int64)
+        if ids.device != v0.device:
+            ids = (ids.pin_memory() if v0.device.type == "cuda" else ids).to(v0.device, non_blocking=True)
+        chunk = 4096
+        grid = (int(ids.numel()), len(layer_views) * planes, triton.cdiv(plane_bytes, chunk))
+        _move_kernel[grid](
+            ptrs,
+            ids,
+            records,
+            v0.stride(0),
+            v0.stride(1),
+            plane_bytes,
+            record_bytes,
+            header_bytes,
+            layer_bytes,
+            planes,
+            GATHER=gather,
+            CHUNK=chunk,
+            VEC=vector_bytes(layer_views, records, record_bytes, header_bytes, layer_bytes),
+        )
+
+
+def warm_up(layer_views: Sequence[torch.Tensor], *, record_bytes: int, header_bytes: int, layer_bytes: int) -> bool:
+    """Compile the kernel variants saves and restores of these views will launch, and build their
+    pointer table, now instead of on the first save or restore (a Triton JIT compile takes
+    seconds, on the engine's or a restore's thread). Gathers engine block 0 into a scratch record
+    and scatters it back, so the block's bytes are unchanged; call before the engine runs (KV
+    cache registration), on the thread that registers. Returns whether a kernel was launched
+    (False: these views take the torch path, nothing to compile). Waits for the two launches."""
+    if not layer_views or not _use_triton(layer_views[0].device, layer_views[0].device, layer_views):
+        return False
+    dev = layer_views[0].device
+    with _device_guard(dev):
+        scratch = torch.empty(record_bytes, dtype=torch.uint8, device=dev)
+        ids = torch.zeros(1, dtype=torch.int64, device=dev)
+        _triton_move(layer_views, ids, scratch, record_bytes, header_bytes, layer_bytes, gather=True)
+        _triton_move(layer_views, ids, scratch, record_bytes, header_bytes, layer_bytes, gather=False)
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
+    return True
