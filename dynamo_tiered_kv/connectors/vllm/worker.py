@@ -9,6 +9,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ...blocks.device_codec import warm_up_device_kernels
 from ...blocks.keys import ROOT_KEY, Namespace, engine_block_key
 from ...blocks.layout import EngineLayout
 from ...config import TieredKVConfig
@@ -96,6 +97,7 @@ class WorkerRole:
             share = self.config.restore_cpu_share
             self._pacer = StepShare(share) if share > 0 else None
         self.layout = layout
+        warm_up_device_kernels(layout)  # a CUDA engine's copy kernels compile now, not on its first save or restore
         self.namespace = Namespace(self.model_id, self.kv_dtype, layout.kind.name,
                                    layout.shape.block_size, layout.shape.num_layers, layout.shape.num_kv_heads,
                                    layout.shape.head_size, self.tp_rank, self.tp_size,
