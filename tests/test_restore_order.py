@@ -303,41 +303,6 @@ def codec_ns() -> bytes:
     return NS.digest
 
 
-def test_a_cuda_chunk_is_verified_on_the_store_decode_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dynamo_tiered_kv.store.reads import fanout
-
-    if fanout.WAYS < 2:
-        pytest.skip("one core: the store verifies on the calling thread only")
-    ops = CountingOps(keeps_up=True)
-    monkeypatch.setattr(device_copy, "_ops_for", lambda device: ops)
-    monkeypatch.setattr(device_copy, "_restore_stream", lambda device: _Stream(ops.g, "restore"))
-    monkeypatch.setattr(fanout, "MIN_BYTES_PER_WAY", REC)  # tiny records: let a chunk of eight split
-    threads: set[str] = set()
-    lock = threading.Lock()
-    real_verify = codec._verify_to_serve
-
-    def verify(*a: Any, **kw: Any) -> Any:
-        with lock:
-            threads.add(threading.current_thread().name)
-        return real_verify(*a, **kw)
-
-    monkeypatch.setattr(codec, "_verify_to_serve", verify)
-    pool = StagingPool(8 * REC, 6, pin=False)
-    store, src, keys = _filled([PieceTier("ssd", 64 * REC)], pool, 16, load_chunk_bytes=8 * REC,
-                               load_first_chunk_bytes=8 * REC)
-    try:
-        with store:
-            src_blocks = [block_bytes(src, s) for s in range(1, 17)]
-            dst = _as_cuda(make_layout(64))
-            res = store.load(dst, list(range(30, 46)), keys, timeout=10)
-            assert res.loaded_block_ids == list(range(30, 46))
-            assert [block_bytes(dst, d) for d in range(30, 46)] == src_blocks
-    finally:
-        pool.close()
-    assert threading.current_thread().name in threads
-    assert any(t.startswith("dtkv-decode") for t in threads), threads
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["host slab", "device records"])
 def test_on_cuda_a_restore_does_not_wait_for_a_forward_queued_after_its_mark(path: str) -> None:

@@ -398,14 +398,9 @@ def decode_block(buf, layout: EngineLayout, block_id: int, *, namespace: bytes, 
     return hdr
 
 
-#: ``split(n, check)``: ``check(a, b)`` (the verification of records ``a:b``, thread-safe) over
-#: ``[0, n)``, possibly in ranges on several threads; the per-record results in order
-Split = Callable[[int, Callable[[int, int], list]], list]
-
-
 def decode_blocks(
     buf, layout: EngineLayout, block_ids: Sequence[int], *, namespace: bytes, keys: Sequence[bytes],
-    session: RestoreSession | None = None, split: Split | None = None,
+    session: RestoreSession | None = None,
 ) -> list[RecordError | None]:
     """Batch ``decode_block`` over records laid back to back in ``buf`` (one staging slab).
 
@@ -415,8 +410,7 @@ def decode_blocks(
 
     ``session`` (CUDA layouts): the load this batch belongs to; the copy to the device is then
     still in flight on return and ``buf`` stays unwritten until the session says it is done
-    (``RestoreSession.after``). None: the blocks hold the records on return. ``split``
-    (CUDA layouts): runs the host verification of the batch, e.g. on several threads.
+    (``RestoreSession.after``). None: the blocks hold the records on return.
     """
     a = _as_u8(buf)
     n = len(block_ids)
@@ -430,7 +424,7 @@ def decode_blocks(
     _check_block_ids(layout, block_ids)
     if layout.is_cuda:
         return _decode_cuda([a[i * rb : (i + 1) * rb] for i in range(n)], layout, block_ids, namespace, keys, a,
-                            session, split)
+                            session)
     table = layout.fast_table()
     if table is None:
         out: list[RecordError | None] = []
@@ -492,24 +486,21 @@ def decode_records(
 
 
 def _decode_cuda(recs: Sequence[np.ndarray], layout: EngineLayout, block_ids: Sequence[int], namespace: bytes,
-                 keys: Sequence[bytes], chunk: np.ndarray | None, session: RestoreSession | None = None,
-                 split: Split | None = None) -> list[RecordError | None]:
-    """CUDA batch restore: every record verified on the host first (through ``split`` if given),
-    then the good ones reach the engine with one host-to-device copy and one scatter
-    (``device_copy.restore_records``), queued in ``session`` (the host verifies the next batch
-    while this one's copy runs)."""
+                 keys: Sequence[bytes], chunk: np.ndarray | None,
+                 session: RestoreSession | None = None) -> list[RecordError | None]:
+    """CUDA batch restore: every record verified on the host first, then the good ones reach the
+    engine with one host-to-device copy and one scatter (``device_copy.restore_records``), queued
+    in ``session`` (the host verifies the next batch while this one's copy runs).
 
-    def check(a: int, b: int) -> list[RecordError | None]:  # reads only: any thread
-        out: list[RecordError | None] = []
-        for i in range(a, b):
-            try:
-                _verify_to_serve(recs[i], namespace, keys[i], layout.shape)
-                out.append(None)
-            except RecordError as e:
-                out.append(e)
-        return out
-
-    errors = check(0, len(recs)) if split is None else split(len(recs), check)
+    The verification stays on the calling thread: python-xxhash keeps the GIL for inputs up to
+    64 KiB (a layer of one block per rank is usually smaller), so more threads would only take
+    turns, and take the GIL from the engine's thread more often."""
+    errors: list[RecordError | None] = [None] * len(recs)
+    for i, r in enumerate(recs):
+        try:
+            _verify_to_serve(r, namespace, keys[i], layout.shape)
+        except RecordError as e:
+            errors[i] = e
     good = [i for i in range(len(recs)) if errors[i] is None]
     if good:
         whole = chunk if len(good) == len(recs) else None  # back to back and all good: upload as is

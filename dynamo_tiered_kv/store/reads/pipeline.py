@@ -161,9 +161,9 @@ class ChunkReader:
         in_place_ok = layout.fast_table() is not None
         budget, budget_binding = self._budget(layout, keys, deadline)
         inflight: deque[ChunkRead] = deque()
-        # compiled layouts and CUDA ones (verify only; XXH3 drops the GIL on each layer): the CPU
-        # Python path holds the GIL, threads would take turns
-        ways = (None if decode_threads is None else max(1, decode_threads)) if in_place_ok or layout.is_cuda else 1
+        # compiled layouts only: the Python path (and a CUDA layout's verify) holds the GIL, threads
+        # would take turns
+        ways = (None if decode_threads is None else max(1, decode_threads)) if in_place_ok else 1
         decoder = _ChunkDecoder(pacer, deadline, rb, ways)
         session = RestoreSession(layout.device) if layout.is_cuda else None  # module docstring
         next_i = 0
@@ -338,10 +338,9 @@ class ChunkReader:
                                                  keys=ks, session=session)
             else:
                 arr = slab.array
-                errors = decode_blocks(arr[:n_read * rb], layout, ids, namespace=self._ns_digest, keys=ks,
-                                       session=session, split=decoder) if session is not None else \
-                    decoder(n_read, lambda a, b: decode_blocks(arr[a * rb:b * rb], layout, ids[a:b],
-                                                               namespace=self._ns_digest, keys=ks[a:b]))
+                errors = decoder(n_read, lambda a, b: decode_blocks(arr[a * rb:b * rb], layout, ids[a:b],
+                                                                  namespace=self._ns_digest, keys=ks[a:b],
+                                                                  session=session))
         except Exception:  # not a bad record but a broken decode (e.g. CUDA OOM): fail the rest, keep serving
             log.exception("decoding a load chunk failed; its blocks will be recomputed")
             later(lambda: self._writer.release(slab))
