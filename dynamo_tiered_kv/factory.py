@@ -340,7 +340,8 @@ def _gpu_direct(config: TieredKVConfig) -> tuple[DeviceIO, DeviceStagingPool] | 
         return None
     from .tiers.ssd.gds_probe import gds_verdict
 
-    if not gds_verdict(config.ssd_dir).available:  # self-test in the SSD directory; logs, sets the gauge
+    # a round trip of one staging slab in the SSD directory; logs, sets the gauge
+    if not gds_verdict(config.ssd_dir, slab_bytes=config.staging_slab_bytes).available:
         return None
     try:  # pragma: no cover - GPU + GDS only
         from .tiers.ssd.gds import DeviceIO

@@ -112,7 +112,7 @@ def test_gpu_direct_needs_cuda_and_a_passing_gds_probe(tmp_path: Path, monkeypat
             store.close()
     probed: list[bool] = []
 
-    def verdict(directory: object = None) -> ssd_io.GdsVerdict:
+    def verdict(directory: object = None, slab_bytes: int = 0) -> ssd_io.GdsVerdict:
         probed.append(True)
         return ssd_io.GdsVerdict(False, "nvidia-fs not loaded")
 

@@ -69,14 +69,22 @@ def test_true_gpudirect_needs_the_self_test_on_a_registered_slab(cufile: type[_F
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     cufile.nvidia_fs = True
     monkeypatch.setattr(gds_probe, "_NVFS_PATHS", (str(tmp_path),))
+    stats = tmp_path / "nvfs-stats"
+    stats.write_text("Reads : n=0 ok=0 err=0 readMiB=0 io_state_err=0\nWrites : n=0 ok=0 err=0 writeMiB=0\n")
+    monkeypatch.setattr(gds_probe, "NVFS_STATS", stats)
     tested: list[Path] = []
-    monkeypatch.setattr(gds_probe, "_self_test", lambda dio, where: tested.append(where))
+
+    def round_trip(dio: Any, where: Path, nbytes: int) -> None:  # nvidia-fs counts one write and one read
+        tested.append(where)
+        stats.write_text("Reads : n=1 ok=1 err=0 readMiB=32 io_state_err=0\nWrites : n=1 ok=1 err=0 writeMiB=32\n")
+
+    monkeypatch.setattr(gds_probe, "_self_test", round_trip)
     verdict = gds_probe.probe_gds(tmp_path / "ssd")
     assert verdict.available and verdict.mode == "gpudirect", verdict
     assert tested == [tmp_path / "ssd"] and (tmp_path / "ssd").is_dir()
     assert json.loads(Path(os.environ[gds_probe.CUFILE_ENV]).read_text())["properties"]["allow_compat_mode"] is False
 
-    def failing(dio: Any, where: Path) -> None:
+    def failing(dio: Any, where: Path, nbytes: int) -> None:
         raise OSError(5, "read back different bytes")
 
     monkeypatch.setattr(gds_probe, "_self_test", failing)

@@ -17,7 +17,7 @@ def probed(monkeypatch: pytest.MonkeyPatch) -> list[Path | None]:
     """A fresh verdict cache and a probe that records where it ran (no GPU needed)."""
     where: list[Path | None] = []
 
-    def fake_probe(directory: Path | None = None) -> GdsVerdict:
+    def fake_probe(directory: Path | None = None, slab_bytes: int = 0) -> GdsVerdict:
         where.append(directory)
         return GdsVerdict(False, f"fake probe in {directory}", "none")
 
