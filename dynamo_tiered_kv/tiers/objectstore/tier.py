@@ -278,8 +278,9 @@ class ObjectTier(ObjectWrites, Tier):
                 await self.refresh(full=n % self.full_refresh_every == 0)
             except TierUnavailable as e:
                 log.debug("object tier refresh failed: %s", e)
-            except Exception:  # noqa: BLE001 - a bug in one pass must not end refreshing for the node's life
-                # (it would stop seeing other nodes' writes and tenants' erasures); the next pass retries
+            except Exception:
+                # a bug in one pass must not end refreshing for the node's life (it would stop seeing
+                # other nodes' writes and tenants' erasures); the next pass retries
                 log.exception("object tier refresh failed; retrying in %.0f s", self.refresh_interval_s)
             await self._read_erasures()
 
