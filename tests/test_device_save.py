@@ -319,3 +319,52 @@ def test_store_gpu_direct_offload_never_blocks_the_engine_thread(tmp_path: Any,
         assert rig.pool.free_count == 2
     finally:
         rig.close()
+
+
+@pytest.mark.gpu
+def test_cuda_gpu_direct_save_returns_with_a_forward_queued_and_gathers_before_later_kernels() -> None:
+    """On a GPU: with about a second of "forward" queued on the engine's stream, the engine thread's
+    half returns before the forward ends and makes no synchronizing CUDA call (PyTorch's sync debug
+    mode raises on one); a kernel queued after it that overwrites the saved blocks does not reach
+    the records; the writer's half leaves records equal to the host codec's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    kind = EngineLayoutKind.FLASH_ATTN
+    ts = allocate_engine_kv(kind, num_layers=4, num_blocks=32, block_size=16, num_kv_heads=8, head_size=128,
+                            dtype=torch.bfloat16, device="cuda")
+    lay = EngineLayout(kind, ts, 16, 8, 128)
+    for t in ts:
+        t.copy_(torch.randn(t.shape, device="cuda").to(t.dtype))
+    ids = [3, 9, 17, 30]
+    keys = chain_keys(NS3, range(16 * len(ids)))
+    parents = parents_of(keys)
+    ns = [NS3.digest] * len(ids)
+    rb = codec.record_bytes(lay.shape)
+    out = torch.empty(len(ids) * rb, dtype=torch.uint8, device="cuda")
+    device_codec.warm_up_device_kernels(lay)
+    device_codec.encode_blocks_on_device(lay, ids, ns, keys, parents, out)  # streams, pinned pool: warm
+    torch.cuda.synchronize()
+    want = [t.cpu() for t in ts]
+
+    torch.cuda._sleep(2_000_000_000)  # "the forward": about a second of GPU time on the engine's stream
+    forward = torch.cuda.Event()
+    forward.record()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        seal = device_codec.begin_encode_on_device(lay, ids, ns, keys, parents, out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    queued = not forward.query()
+    idx = torch.tensor(ids, device="cuda")
+    for t in ts:  # a later request reuses the blocks (FLASH_ATTN: blocks on dim 1)
+        t.index_fill_(1, idx, 0)
+    assert queued, "the engine thread's half waited for the forward"
+
+    done: list[int] = []
+    writer = threading.Thread(target=lambda: done.append(seal()))
+    writer.start()
+    writer.join(120)
+    assert done == [len(ids) * rb]
+    ref = np.zeros(len(ids) * rb, np.uint8)
+    codec.encode_blocks(EngineLayout(kind, want, 16, 8, 128), ids, ns, keys, parents, ref)
+    assert np.array_equal(out.cpu().numpy(), ref), "the records differ from the host codec's"

@@ -40,12 +40,12 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> _Launches:
     return rec
 
 
-def _tensors(num_blocks: int, layers: int, planes: int, plane_bytes: int, block_pad: int,
-             seed: int) -> list[torch.Tensor]:
-    """Per layer ``[block][plane * plane_bytes + block_pad]`` random bytes."""
+def _tensors(num_blocks: int, layers: int, planes: int, plane_bytes: int, block_pad: int, seed: int,
+             device: str = "cpu") -> list[torch.Tensor]:
+    """Per layer ``[block][plane * plane_bytes + block_pad]`` random bytes (one allocation each)."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (num_blocks, planes * plane_bytes + block_pad), dtype=torch.uint8, generator=g)
-            for _ in range(layers)]
+    return [torch.randint(0, 256, (num_blocks, planes * plane_bytes + block_pad), dtype=torch.uint8,
+                          generator=g).to(device) for _ in range(layers)]
 
 
 def _views_of(tensors: list[torch.Tensor], planes: int, plane_bytes: int) -> list[torch.Tensor]:
@@ -79,33 +79,64 @@ CASES = {  # name: (planes, plane_bytes, block_pad, header_bytes, record offset,
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_vectorized_and_byte_kernels_are_byte_exact(case: str, launches: _Launches) -> None:
+def _check_case(case: str, launches: _Launches, device: str) -> None:
+    """Gather and scatter through the kernel with ``CASES[case]``'s geometry on ``device``: byte-exact
+    both ways, nothing outside the target blocks touched, the expected access width launched."""
     planes, pb, pad, hb, rec_off, vec = CASES[case]
     layers, num_blocks = 3, 10
-    views = _views(num_blocks, layers, planes, pb, pad, seed=1)
+    views = _views_of(_tensors(num_blocks, layers, planes, pb, pad, seed=1, device=device), planes, pb)
     lb = planes * pb
     rb = -(-(hb + layers * lb) // 16) * 16 + (16 if rec_off else 0)
     if case == "odd_plane":
         rb = hb + layers * lb + 4  # sizes that are not multiples of 16 all through
     ids = [7, 0, 3, 9]
-    raw = torch.full((rec_off + len(ids) * rb,), 0xEE, dtype=torch.uint8)
+    raw = torch.full((rec_off + len(ids) * rb,), 0xEE, dtype=torch.uint8, device=device)
     out = raw[rec_off:]
-    gs.gather_records(views, torch.tensor(ids), out, record_bytes=rb, header_bytes=hb, layer_bytes=lb)
-    assert torch.equal(out, _expected(views, ids, rb, hb, 0xEE)), "gathered bytes differ"
+    gs.gather_records(views, torch.tensor(ids, device=device), out, record_bytes=rb, header_bytes=hb,
+                      layer_bytes=lb)
+    cpu_views = [v.cpu() for v in views]
+    assert torch.equal(out.cpu(), _expected(cpu_views, ids, rb, hb, 0xEE)), "gathered bytes differ"
 
-    engine = _tensors(num_blocks, layers, planes, pb, pad, seed=2)
-    before = [t.clone() for t in engine]
+    engine = _tensors(num_blocks, layers, planes, pb, pad, seed=2, device=device)
+    before = [t.cpu() for t in engine]
     dst = _views_of(engine, planes, pb)
     targets = [2, 5, 8, 1]
-    gs.scatter_records(out, dst, torch.tensor(targets), record_bytes=rb, header_bytes=hb, layer_bytes=lb)
+    gs.scatter_records(out, dst, torch.tensor(targets, device=device), record_bytes=rb, header_bytes=hb,
+                       layer_bytes=lb)
+    after = [t.cpu() for t in engine]
     for j in range(layers):
         for s, t in zip(ids, targets):
-            assert torch.equal(dst[j][t], views[j][s]), f"layer {j} block {t} differs"
+            assert torch.equal(after[j][t, :lb], cpu_views[j][s].reshape(-1)), f"layer {j} block {t} differs"
         for b in set(range(num_blocks)) - set(targets):
-            assert torch.equal(engine[j][b], before[j][b]), "a block outside the targets changed"
-        assert torch.equal(engine[j][:, lb:], before[j][:, lb:]), "bytes between blocks changed"
+            assert torch.equal(after[j][b], before[j][b]), "a block outside the targets changed"
+        assert torch.equal(after[j][:, lb:], before[j][:, lb:]), "bytes between blocks changed"
     assert launches.seen == [(True, vec), (False, vec)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_vectorized_and_byte_kernels_are_byte_exact(case: str, launches: _Launches) -> None:
+    _check_case(case, launches, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_vectorized_and_byte_kernels_are_byte_exact_on_cuda(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    assert gs.triton_available(), "Triton is missing: the CUDA copies would take the torch path"
+    rec = _Launches(gs._move_kernel)
+    monkeypatch.setattr(gs, "_move_kernel", rec)
+    _check_case(case, rec, "cuda")
+
+
+@pytest.mark.gpu
+def test_warm_up_on_cuda_leaves_the_blocks_alone() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    views = _views(6, 2, 2, 1024, 0, seed=3)
+    cuda = [v.cuda() for v in views]
+    assert gs.warm_up(cuda, record_bytes=64 + 2 * 2048, header_bytes=64, layer_bytes=2048)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(cuda, views))
 
 
 def test_warm_up_compiles_both_directions_and_leaves_the_blocks_alone(launches: _Launches) -> None:
