@@ -125,7 +125,9 @@ def restore_after(mark: Any) -> Iterator[None]:
         _local.mark = prev
 
 
-_scratch = threading.local()  # per restore thread: pinned host buffers for records that are not back to back
+# per restore thread: two pinned host buffers for records that are not back to back; one session
+# at a time uses them on a thread (a load's, or a one-chunk one outside any load)
+_scratch = threading.local()
 _SCRATCH = ("scratch 0", "scratch 1")  # their names in a ``RestoreOrder`` (compared by identity)
 
 
