@@ -70,8 +70,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..blocks.keys import BlockKey, Namespace
-from ..blocks.layout import EngineLayout
+from ..blocks.layout import BlockShape, EngineLayout
 from ..blocks.tenant import DEFAULT_TENANT
 from ..policy.admission import Admission, AdmissionPolicy, Retention
 from ..policy.pacing import Pacer
@@ -84,6 +86,7 @@ from . import lifecycle
 from .erasure import ErasureService
 from .lifecycle import Background
 from .metrics import StoreMetrics
+from .reads.into_buffers import BufferLoader, IntoResult
 from .reads.pipeline import ChunkReader, LoadStages
 from .retention import ExpireStats, RetentionService
 from .state import StoreState
@@ -189,6 +192,7 @@ class TieredStore:
         self._reader = ChunkReader(self._state, staging, self._writer, admission, write_depth=write_depth,
                                    ns_digest=namespace.digest, load_chunk_bytes=load_chunk_bytes,
                                    load_first_chunk_bytes=load_first_chunk_bytes, load_depth=load_depth)
+        self._into = BufferLoader(self._state, namespace.digest)
         self._retention = RetentionService(self._state, staging, self._writer.write_tier, max_share=retain_max_share,
                                            clock=clock, sweep_interval_s=sweep_interval_s,
                                            expire_interval_s=expire_interval_s, expire_pass_bytes=EXPIRE_PASS_BYTES)
@@ -363,6 +367,20 @@ class TieredStore:
         if block_ids:
             self.metrics.observe_restore(res.stages)
         return res
+
+    def load_into(self, shape: BlockShape, dests: Sequence[np.ndarray], keys: Sequence[BlockKey],
+                  timeout: float | None = 30.0) -> IntoResult:
+        """Restore ``keys`` with each record's payload read straight into ``dests[i]`` (the caller's
+        buffer of block i: writable contiguous uint8 of ``shape.payload_bytes``, which must be exactly
+        the block's bytes as the record's canonical payload holds them) and verified there; no
+        staging slab, no scatter copy. Only tiers that read into caller buffers serve it
+        (``IntoResult.planned``); the caller loads the rest with ``load``. Same failure rules as
+        ``load`` (a failure fails every later block); once it returns nothing writes into ``dests``
+        for this call, which may mean waiting past ``timeout`` for a read in flight
+        (``store.reads.into_buffers``). Any thread but the store's own."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("TieredStore.load_into must not be called on the store's own loop thread")
+        return self._into.load_into(shape, dests, keys, timeout)
 
     def suspend_device(self, timeout: float = 30.0) -> bool:
         """Before GPU sleep: finish accepted offloads (they may read device slabs), then deregister

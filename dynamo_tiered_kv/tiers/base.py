@@ -165,6 +165,8 @@ class Tier(abc.ABC):
     load_chunk_bytes: int | None = None
     #: whether ``read_slab_now`` reads on the caller's thread (False: it returns None)
     slab_reads_now: bool = False
+    #: whether ``read_split_now`` reads records straight into the caller's buffers (False: it returns None)
+    split_reads_now: bool = False
 
     #: state the tier owns, set through ``configure_retention`` / ``set_residency_hook``
     _retention: RetentionClasses | None = None
@@ -243,6 +245,17 @@ class Tier(abc.ABC):
     def read_slab_now(self, keys: Sequence[BlockKey], dest: np.ndarray, record_bytes: int) -> list[int | None] | None:
         """``read_slab`` on the calling thread (blocking), where the tier has such a path
         (``slab_reads_now``); None: it has none, use ``read_slab``."""
+        return None
+
+    def read_split_now(self, keys: Sequence[BlockKey], parts: Sequence[Sequence[np.ndarray]],
+                       record_bytes: int) -> list[int | None] | None:
+        """Whole records ``keys[i]`` read on the calling thread (blocking), each record's bytes laid,
+        in order, over the caller's buffers ``parts[i]`` (contiguous uint8 arrays whose sizes add
+        up to ``record_bytes``: e.g. a scratch for the header, the caller's own destination of the
+        payload, a scratch for the padding), with no staging copy in between. Per record
+        ``record_bytes`` or None (absent, another length, or a failed read: its buffers then hold
+        unspecified bytes). Nothing is verified here. None: the tier has no such path
+        (``split_reads_now`` is False)."""
         return None
 
     def pin_records(self, keys: Sequence[BlockKey],

@@ -57,6 +57,7 @@ from .lifecycle import SegmentLogLifecycle
 from .reads import ReadPath
 from .reclaim import Reclaimer
 from .sealing import IdleSealer, Sealer
+from .split_reads import SplitReader
 from .state import SegmentLogState
 from .tombstones import TombstoneLog
 from .writer import SegmentWriter, checked_batch
@@ -116,6 +117,7 @@ class SSDTier(Tier):
     read_piece_bytes = 2 << 20
     frugal_piece_bytes = 8 << 20
     slab_reads_now = True  # ``read_slab_now``: a one-chunk restore reads on the caller's thread
+    split_reads_now = True  # ``read_split_now``: records straight into the caller's buffers
 
     def __init__(self, path: str | os.PathLike[str], *, capacity_bytes: int,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES, rank: int = 0, io: str = "auto",
@@ -147,6 +149,7 @@ class SSDTier(Tier):
         self._sealer = Sealer(st, self._reclaimer, on_sealed)
         self._appender = SegmentWriter(st, self._sealer, self._evictor, self._tombstones, self._reclaimer)
         self._reads = ReadPath(st, verify=verify_reads, namespace=namespace)
+        self._split_reads = SplitReader(st)
         self._flush_source = FlushSource(st, lambda: self._residency_hook)
         self._lifecycle = SegmentLogLifecycle(st, io, tombstones=self._tombstones, reclaimer=self._reclaimer,
                                               sealer=self._sealer)
@@ -336,6 +339,12 @@ class SSDTier(Tier):
     def read_slab_now(self, keys: Sequence[BlockKey], dest: np.ndarray, record_bytes: int) -> list[int | None]:
         """``read_slab`` on the calling thread (blocking): for a restore of one chunk."""
         return self._reads.read_slab_now(keys, dest, record_bytes)
+
+    def read_split_now(self, keys: Sequence[BlockKey], parts: Sequence[Sequence[np.ndarray]],
+                       record_bytes: int) -> list[int | None]:
+        """``Tier.read_split_now``: records back to back in a segment are one ``preadv`` over all
+        their buffers (``split_reads``). Never verifies (``verify_reads`` covers staged reads)."""
+        return self._split_reads.read_now(keys, parts, record_bytes)
 
     # --- sealing ------------------------------------------------------------------------------
     async def seal(self) -> SealedSegment | None:
