@@ -17,6 +17,16 @@ from ...blocks.layout import EngineLayout, EngineLayoutKind
 from ...errors import ConfigError
 
 
+def primary_rows(view: memoryview) -> np.ndarray:
+    """The primary as ``(num_chunks, row_bytes)`` uint8 rows over vLLM's region (no copy): row ``c``
+    is exactly the payload of chunk ``c``'s record in the ``primary_layout`` shape, so a record's
+    payload may be read straight into it (``TieredStore.load_into``)."""
+    arr = np.asarray(view).view(np.uint8)
+    if arr.ndim != 2 or not arr.flags.c_contiguous or not arr.flags.writeable:
+        raise ConfigError(f"primary KV view must be writable contiguous (num_chunks, row_bytes) bytes, got {arr.shape}")
+    return arr
+
+
 def primary_layout(view: memoryview) -> EngineLayout:
     """Zero-copy layout over the primary memoryview (writable: loads scatter into it)."""
     arr = np.asarray(view)

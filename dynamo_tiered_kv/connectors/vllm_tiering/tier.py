@@ -14,10 +14,11 @@ Contract kept (vLLM's ``SecondaryTierManager`` runs on the scheduler thread, und
 * ``submit_store``/``submit_load`` enqueue a job on our threads (``jobs``) and return. A store
   job copies its chunks from the primary into staging (records are encoded and checksummed
   there) and is done once the copy is: the primary slots are free again while the SSD write
-  proceeds. A load job restores with one deadline (``load_timeout_s`` from submission); every
-  record is verified before its bytes reach the primary, and a record that fails (corrupt,
-  missing, late) fails its key and every key after it: ``successful_keys`` names the prefix
-  that was restored.
+  proceeds. A load job restores with one deadline (``load_timeout_s`` from submission). Chunks
+  on the SSD are read straight into their primary rows and verified there (no staging copy);
+  chunks from S3 are verified in staging before their bytes are copied into the rows. A record
+  that fails (corrupt, missing, late) fails its key and every key after it: ``successful_keys``
+  names the prefix that was restored, and vLLM never uses a failed key's row (it recomputes).
 * ``drain_jobs`` waits for our jobs; ``shutdown`` waits for them, then closes the store, which
   writes every accepted chunk, seals the open segment and lets the flusher upload (bounded by
   ``close_flush_timeout_s``); what is sealed but not uploaded by then is uploaded at next start.
@@ -39,6 +40,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 from typing_extensions import override
 from vllm.v1.kv_offload.base import (
     Locality,
@@ -60,7 +62,7 @@ from .config import split_settings
 from .events import TierEvents
 from .jobs import JobRunner
 from .key_mapping import block_keys, engine_model_id, namespace_for
-from .primary import primary_layout
+from .primary import primary_layout, primary_rows
 from .session_hints import HintApplier
 
 if TYPE_CHECKING:
@@ -73,6 +75,8 @@ log = logging.getLogger(__name__)
 PENDING_RETRY_S = 5.0
 #: failed keys remembered as MISS (oldest forgotten first)
 MAX_FAILED_KEYS = 1 << 16
+#: after a direct load waited past its deadline for a read in flight, loads go through staging this long
+STAGED_AFTER_LATE_S = 60.0
 #: staged keys remembered as RETRY; past this, expired ones go, then the oldest (a tier whose
 #: writes keep failing never reports them stored)
 MAX_PENDING_KEYS = 1 << 16
@@ -109,6 +113,10 @@ class DynamoTieredKVTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)  # type: ignore[arg-type]
         self.config, self.options = split_settings(settings)
         self.layout = primary_layout(primary_kv_view)
+        # each chunk's row IS a record's payload (opaque bytes, one layer): loads read records
+        # straight into the rows and verify them there (``TieredStore.load_into``)
+        self._rows: np.ndarray | None = primary_rows(primary_kv_view)
+        self._staged_until = 0.0  # monotonic: until then loads go through staging (``_load``)
         check_record_fits(self.config, self.layout.shape, "chunk")
         self._record_bytes = record_bytes(self.layout.shape)
         spec_config = getattr(offloading_spec, "config", None)
@@ -234,6 +242,7 @@ class DynamoTieredKVTier(SecondaryTierManager):
         self._jobs.stop()
         self.store.close()
         self.layout = None  # type: ignore[assignment]  # drop our views of vLLM's region before it unmaps
+        self._rows = None
 
     # --- jobs (our threads) ----------------------------------------------------------------
     def _store(self, job_id: int, ids: list[int], bks: list[BlockKey]) -> JobResult:
@@ -280,7 +289,7 @@ class DynamoTieredKVTier(SecondaryTierManager):
         bks = block_keys(self.namespace, keys)
         n = 0
         if deadline > t0:
-            n = len(self.store.load(self.layout, ids, bks, timeout=deadline - t0).loaded_block_ids)
+            n = self._restore(ids, bks, deadline)
         took = time.monotonic() - t0
         if n == len(keys):
             return JobResult(job_id, True, transfer_time=took, transfer_bytes=n * self.block_size_bytes)
@@ -292,6 +301,31 @@ class DynamoTieredKVTier(SecondaryTierManager):
         log.warning("secondary tier load restored %d of %d chunks; the rest are recomputed", n, len(keys))
         return JobResult(job_id, False, successful_keys=tuple(keys[:n]) or None, transfer_time=took,
                          transfer_bytes=n * self.block_size_bytes)
+
+    def _restore(self, ids: list[int], bks: list[BlockKey], deadline: float) -> int:
+        """Restore chunks into rows ``ids`` by ``deadline``; how many leading ones were restored.
+
+        Chunks of tiers that read into the caller's buffers (the SSD) are read straight into their
+        rows and verified there; the rest (S3, or all of them while ``_staged_until`` holds)
+        through staging slabs, verified there and then copied into the rows. A row whose chunk
+        failed holds unspecified bytes; vLLM is told it failed and recomputes it. A direct load
+        waits for a read still in flight at its deadline (it writes into vLLM's row, which must
+        not be handed back before it lands); after one did, loads are staged for
+        ``STAGED_AFTER_LATE_S``, since staged reads can be abandoned at the deadline."""
+        rows = self._rows
+        n = 0
+        now = time.monotonic()
+        if rows is not None and now >= self._staged_until:
+            into = self.store.load_into(self.layout.shape, [rows[c] for c in ids], bks, timeout=deadline - now)
+            if into.waited_past_deadline:
+                self._staged_until = time.monotonic() + STAGED_AFTER_LATE_S
+            n = into.restored
+            if n < into.planned or n == len(ids):
+                return n
+            now = time.monotonic()
+            if now >= deadline:
+                return n
+        return n + len(self.store.load(self.layout, ids[n:], bks[n:], timeout=deadline - now).loaded_block_ids)
 
 
 def open_tier(settings: Mapping[str, Any], primary_kv_view: memoryview, offloading_spec: OffloadingSpec | None = None,
