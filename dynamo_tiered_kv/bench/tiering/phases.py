@@ -81,14 +81,15 @@ def build(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
     from ...connectors.vllm_tiering.key_mapping import declared_model
 
     row = spec["row_bytes"]
+    blocks_per_chunk = spec.get("blocks_per_chunk", BLOCKS_PER_CHUNK)
     extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": spec["primary_chunks"] * row,
              "secondary_tiers": [tier_entry(spec)], "tier_poll_interval_s": 0}
     config = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=TOKENS_PER_BLOCK, layer_names=("kv",), group_id=0),),
-        worker_kv_bytes_per_block=row // BLOCKS_PER_CHUNK, enable_kv_cache_events=False, extra_config=extra,
+        worker_kv_bytes_per_block=row // blocks_per_chunk, enable_kv_cache_events=False, extra_config=extra,
         engine_id=f"dtkv-bench-{uuid.uuid4().hex[:12]}",
         model=OffloadingModelConfig(name=spec["model"], dtype="bfloat16", max_model_len=1 << 20),
-        cache=OffloadingCacheConfig(tokens_per_hash=TOKENS_PER_BLOCK, blocks_per_chunk=BLOCKS_PER_CHUNK),
+        cache=OffloadingCacheConfig(tokens_per_hash=TOKENS_PER_BLOCK, blocks_per_chunk=blocks_per_chunk),
         parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
                                           data_parallel_index=0, data_parallel_size=1,
                                           data_parallel_rank_local=None, is_parallelism_agnostic=False),
@@ -116,12 +117,13 @@ class Rows:
         return np.array([prefix, chunk], dtype="<u8").view(np.uint8)
 
     def fill(self, dst: np.ndarray, prefix: int, chunk: int) -> None:
-        dst[:] = self.body[chunk]
+        # vLLM pads each row of its region to a page: the chunk's bytes are its first row_bytes
+        dst[:self.body.shape[1]] = self.body[chunk]
         dst[:16] = self.stamp(prefix, chunk)
 
     def same(self, got: np.ndarray, prefix: int, chunk: int) -> bool:
         return bool(np.array_equal(got[:16], self.stamp(prefix, chunk))
-                    and np.array_equal(got[16:], self.body[chunk][16:]))
+                    and np.array_equal(got[16:self.body.shape[1]], self.body[chunk][16:]))
 
 
 def _step(manager: Any) -> None:

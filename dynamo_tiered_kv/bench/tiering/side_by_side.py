@@ -54,7 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", type=Path, default=Path("dtkv-bench-tiering"),
                    help="parent of each local tier's directory (one filesystem for all; O_DIRECT-capable)")
     p.add_argument("--tiers", default="dtkv,fs,dtkv-s3,obj", help="tiers to run, comma-separated")
-    p.add_argument("--kib-per-token", default="8,128", help="model shapes: KV bytes per token in KiB")
+    p.add_argument("--kib-per-token", default="8,128", help="model shapes: KV bytes per token in KiB (fractions "
+                                                           "allowed: 16.875 is 27 layers x 2 KV heads of 80, fp16)")
+    p.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS, help="tokens per offload chunk (16-token blocks)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per prefix (multiple of 256)")
     p.add_argument("--gib-per-run", type=float, default=1.0, help="bytes stored per run (at least one prefix)")
     p.add_argument("--runs", type=int, default=3, help="runs (each on its own prefixes)")
@@ -135,7 +137,7 @@ def _flip_offsets(tier: str, size: int, row: int) -> list[int]:
     """One byte in the payload of every chunk a file/object holds."""
     if tier in ("fs", "obj"):
         return [size // 2]
-    rec = HEADER + row
+    rec = HEADER + -(-row // HEADER) * HEADER  # the payload is padded to 4 KiB
     return [k * rec + HEADER + row // 2 for k in range(size // rec)]
 
 
@@ -193,8 +195,8 @@ def _shape(args: argparse.Namespace, tiers: list[str], kib: int, plan: dict[str,
     shared disk's or server's drift over minutes falls on all tiers alike. Ratios pair run ``i``
     of ours with run ``i`` of the peer (``targets``). With ``ceph``, its OSDs are delayed for
     the runs (not for the uploads before them nor the flip test after)."""
-    row = kib * 1024 * CHUNK_TOKENS
-    chunks = plan["tokens"] // CHUNK_TOKENS
+    row = int(kib * 1024 * args.chunk_tokens)
+    chunks = plan["tokens"] // args.chunk_tokens
     prefixes = max(1, int(plan["bytes_per_run"] // (row * chunks)))
     lookup_keys = 0 if "lookup" in skip else plan["lookup_keys"]
     state: dict[str, dict[str, Any]] = {}
@@ -204,7 +206,8 @@ def _shape(args: argparse.Namespace, tiers: list[str], kib: int, plan: dict[str,
         _clear(tier, where, args, prefix)
         base = {"tier": tier, "settings": _settings(args, tier, where, prefix, row), "row_bytes": row,
                 "chunks_per_prefix": chunks, "prefixes": prefixes, "primary_chunks": prefixes * chunks + 8,
-                "model": f"bench/kv-{kib}k", "tag": name, "runs": 1, "rgw_admin_socket": args.rgw_admin_socket}
+                "model": f"bench/kv-{kib}k", "tag": name, "runs": 1, "rgw_admin_socket": args.rgw_admin_socket,
+                "blocks_per_chunk": args.chunk_tokens // 16}
         state[tier] = {"name": name, "where": where, "prefix": prefix, "base": base, "stored": [], "loaded": []}
     order = list(tiers)
     if "raw" not in skip and args.s3_endpoint and {"dtkv-s3", "obj"} & set(tiers) and raw_s3.available():
@@ -336,8 +339,8 @@ def _requests_per_gb(tier: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _churn(args: argparse.Namespace, tier: str, kib: int, plan: dict[str, Any]) -> dict[str, Any]:
     """Write ``churn`` x the capacity in prefixes, then count what the tier keeps on disk."""
-    row = kib * 1024 * CHUNK_TOKENS
-    chunks = plan["tokens"] // CHUNK_TOKENS
+    row = int(kib * 1024 * args.chunk_tokens)
+    chunks = plan["tokens"] // args.chunk_tokens
     cap = plan["churn_capacity"]
     prefixes = max(1, int(args.churn * cap // (row * chunks)))
     name = f"{tier}-churn"
@@ -345,7 +348,8 @@ def _churn(args: argparse.Namespace, tier: str, kib: int, plan: dict[str, Any]) 
     _clear(tier, where, args, "")
     spec = {"tier": tier, "settings": _settings(args, tier, where, name, row, capacity=cap), "row_bytes": row,
             "chunks_per_prefix": chunks, "prefixes": prefixes, "primary_chunks": prefixes * chunks + 8,
-            "model": f"bench/kv-{kib}k", "tag": name, "runs": 1, "phase": "store"}
+            "model": f"bench/kv-{kib}k", "tag": name, "runs": 1, "phase": "store",
+            "blocks_per_chunk": args.chunk_tokens // 16}
     report.progress("tiering", f"{name}: {prefixes} prefixes into a {cap // MiB} MiB capacity")
     _worker(args, spec)
     disk_bytes, files = _disk(tier, where, args, "")
@@ -360,15 +364,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tiers = [t for t in args.tiers.split(",") if t]
     if not args.s3_endpoint:
         tiers = [t for t in tiers if t not in ("dtkv-s3", "obj")]
-    kibs = [int(k) for k in args.kib_per_token.split(",") if k]
+    kibs = [float(k) if "." in k else int(k) for k in args.kib_per_token.split(",") if k]
     plan = {"tokens": args.tokens, "bytes_per_run": args.gib_per_run * GiB, "runs": args.runs,
             "lookup_keys": args.lookup_keys, "churn_capacity": args.churn_capacity_mib * MiB, "flip": True}
     if args.quick:
         plan.update(tokens=1024, bytes_per_run=32 * MiB, runs=1, lookup_keys=min(args.lookup_keys, 500),
                     churn_capacity=16 * MiB)
         kibs = kibs[:1]
-    if plan["tokens"] % CHUNK_TOKENS:
-        raise SystemExit(f"--tokens must be a multiple of {CHUNK_TOKENS}")
+    if args.chunk_tokens <= 0 or args.chunk_tokens % 16:
+        raise SystemExit("--chunk-tokens must be a positive multiple of 16")
+    if plan["tokens"] % args.chunk_tokens:
+        raise SystemExit(f"--tokens must be a multiple of {args.chunk_tokens}")
     ceph = osd_delay.hdd_mode("tiering", args.s3_endpoint, args.osd_op_delay_ms, args.ceph_dir)
     if ceph is not None and not {"dtkv-s3", "obj"} & set(tiers):
         raise SystemExit("bench tiering: --osd-op-delay-ms delays the S3 tiers' Ceph: add dtkv-s3 or obj to --tiers")
@@ -397,7 +403,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     delay = None if ceph is None else {"ms_per_op": args.osd_op_delay_ms, "ceph_dir": str(ceph.dir),
                                        "osd_sockets": [str(x) for x in ceph.osd_sockets]}
     return {"failed": failed, "machine": machine, "osd_op_delay": delay,
-            "plan": {**plan, "kib_per_token": kibs, "tiers": tiers, "chunk_tokens": CHUNK_TOKENS},
+            "plan": {**plan, "kib_per_token": kibs, "tiers": tiers, "chunk_tokens": args.chunk_tokens},
             "tiers": rows, "churn": churn, "targets": targets(rows), "elapsed_s": time.monotonic() - t0}
 
 
