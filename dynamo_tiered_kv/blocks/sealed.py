@@ -28,6 +28,10 @@ from .codec import _FIXED_BYTES, _HDR_SUM_OFF, _TABLE_OFF, FLAG_SEALED, MAGIC, h
 
 _FLAGS = struct.Struct("<H")
 _U64 = struct.Struct("<Q")
+#: the fixed header's fields sealing needs: magic, flags, header bytes, layers, payload bytes
+_GEOM = struct.Struct("<8s2xHI52xI24xQ")
+_TENANT = slice(112, _FIXED_BYTES)
+assert _GEOM.size == 104
 
 
 class Cipher(Protocol):
@@ -36,15 +40,22 @@ class Cipher(Protocol):
     def open(self, tenant: bytes, aad: bytes, payload: memoryview, seal: bytes) -> bool: ...
 
 
+def _geometry_of(fixed: bytes, nbytes: int) -> tuple[int, int, int, int]:
+    """(flags, num_layers, header_bytes, payload_bytes) of a record whose fixed header is ``fixed``
+    and whose buffer holds ``nbytes``, checked only for bounds."""
+    if nbytes < _TABLE_OFF or len(fixed) < _FIXED_BYTES:
+        raise HeaderCorrupt("not a record")
+    magic, flags, hb, nl, pb = _GEOM.unpack_from(fixed)
+    if magic != MAGIC:
+        raise HeaderCorrupt("not a record")
+    if nl <= 0 or nl > 65536 or hb != header_bytes(nl) or nbytes < hb + pb:
+        raise HeaderCorrupt("implausible record header")
+    return flags, nl, hb, pb
+
+
 def _geometry(rec: np.ndarray) -> tuple[int, int, int]:
     """(num_layers, header_bytes, payload_bytes) of a record's header, checked only for bounds."""
-    if rec.nbytes < _TABLE_OFF or bytes(rec[:8]) != MAGIC:
-        raise HeaderCorrupt("not a record")
-    nl = int.from_bytes(rec[68:72].tobytes(), "little")
-    hb = int.from_bytes(rec[12:16].tobytes(), "little")
-    pb = int.from_bytes(rec[96:104].tobytes(), "little")
-    if nl <= 0 or nl > 65536 or hb != header_bytes(nl) or rec.nbytes < hb + pb:
-        raise HeaderCorrupt("implausible record header")
+    _, nl, hb, pb = _geometry_of(rec[:_FIXED_BYTES].tobytes(), rec.nbytes)
     return nl, hb, pb
 
 
@@ -53,14 +64,8 @@ def is_sealed(rec: np.ndarray) -> bool:
         _FLAGS.unpack_from(rec, 10)[0] & FLAG_SEALED)
 
 
-def _aad(rec: np.ndarray, nl: int) -> bytes:
-    return bytes(rec[:_FIXED_BYTES]) + bytes(rec[_TABLE_OFF : _TABLE_OFF + 8 * nl])
-
-
-def _resum(rec: np.ndarray, nl: int) -> None:
-    h = xxhash.xxh3_64(memoryview(rec[:_FIXED_BYTES]))
-    h.update(memoryview(rec[_TABLE_OFF : _TABLE_OFF + 8 * nl]))
-    _U64.pack_into(rec, _HDR_SUM_OFF, h.intdigest())
+def _with_flags(fixed: bytes, flags: int) -> bytes:
+    return fixed[:10] + _FLAGS.pack(flags) + fixed[12:]
 
 
 def seal_room(num_layers: int, seal_bytes: int) -> bool:
@@ -68,48 +73,69 @@ def seal_room(num_layers: int, seal_bytes: int) -> bool:
     return _TABLE_OFF + 8 * num_layers + seal_bytes <= header_bytes(num_layers)
 
 
-def seal_record(rec: np.ndarray, cipher: Cipher, seal_bytes: int, *, src: np.ndarray | None = None) -> None:
+def seal_record(rec: np.ndarray, cipher: Cipher, seal_bytes: int, *, src: np.ndarray | None = None,
+                spare: int = 0) -> None:
     """Seal the plain record ``rec`` (a writable uint8 array of one whole record) in place; with
-    ``src`` (a plain record of the same length), seal ``src`` into ``rec`` instead, reading each
-    payload byte once (``src`` is not changed)."""
+    ``src`` (a plain record), seal ``src`` into ``rec`` instead, reading each payload byte once
+    (``src`` is not changed). ``spare`` (with ``src`` only): ``rec`` is the record followed by
+    ``spare`` bytes this may overwrite (scratch for the GCM tag, so the cipher's one-call path
+    runs); the record itself is ``rec[:rec.nbytes - spare]``, as long as ``src``."""
     if src is not None:
-        nl, hb, pb = _geometry(src)
-        rec[:hb] = src[:hb]
-        rec[hb + pb :] = src[hb + pb : rec.nbytes]
+        n = rec.nbytes - spare
+        if spare < 0 or src.nbytes != n:
+            raise ValueError(f"a {src.nbytes}-byte record does not fit {rec.nbytes} bytes with {spare} spare")
+        fixed = src[:_FIXED_BYTES].tobytes()
+        flags, nl, hb, pb = _geometry_of(fixed, n)
     else:
-        nl, hb, pb = _geometry(rec)
-    if _FLAGS.unpack_from(rec, 10)[0] & FLAG_SEALED:
+        if spare:
+            raise ValueError("spare bytes are for sealing from a source")
+        n = rec.nbytes
+        fixed = rec[:_FIXED_BYTES].tobytes()
+        flags, nl, hb, pb = _geometry_of(fixed, n)
+    if flags & FLAG_SEALED:
         raise ValueError("record is already sealed")
     at = _TABLE_OFF + 8 * nl
     if at + seal_bytes > hb:
         raise ValueError(f"a {nl}-layer record has no room for a {seal_bytes}-byte seal in its header")
-    _FLAGS.pack_into(rec, 10, _FLAGS.unpack_from(rec, 10)[0] | FLAG_SEALED)
-    tenant = bytes(rec[112:_FIXED_BYTES])
-    if src is None:
-        seal = cipher.seal(tenant, _aad(rec, nl), memoryview(rec[hb : hb + pb]))
+    fixed = _with_flags(fixed, flags | FLAG_SEALED)
+    if src is not None:
+        rec[:hb] = src[:hb]
+        table = src[_TABLE_OFF:at].tobytes()
     else:
-        seal = cipher.seal(tenant, _aad(rec, nl), memoryview(src[hb : hb + pb]), out=memoryview(rec[hb : hb + pb]))
+        table = rec[_TABLE_OFF:at].tobytes()
+    aad = fixed + table
+    out = memoryview(rec)
+    if src is None:
+        seal = cipher.seal(fixed[_TENANT], aad, out[hb : hb + pb])
+    else:
+        seal = cipher.seal(fixed[_TENANT], aad, memoryview(src)[hb : hb + pb], out=out[hb:])
+        if n > hb + pb:  # the padding after the payload: after the cipher, which may use it as scratch
+            rec[hb + pb : n] = src[hb + pb : n]
+    _FLAGS.pack_into(out, 10, flags | FLAG_SEALED)
     rec[at : at + len(seal)] = np.frombuffer(seal, np.uint8)
-    _resum(rec, nl)
+    _U64.pack_into(out, _HDR_SUM_OFF, xxhash.xxh3_64_intdigest(aad))
 
 
 def open_record(rec: np.ndarray, cipher: Cipher, seal_bytes: int) -> bool:
     """Open the sealed record ``rec`` in place; False (the bytes are then not to be used) when its
     tenant's key is missing or anything was changed. A plain record is left as it is (True)."""
     try:
-        nl, hb, pb = _geometry(rec)
+        fixed = rec[:_FIXED_BYTES].tobytes()
+        flags, nl, hb, pb = _geometry_of(fixed, rec.nbytes)
     except HeaderCorrupt:
         return True  # not a record: the caller's verify reports it
-    flags = _FLAGS.unpack_from(rec, 10)[0]
     if not flags & FLAG_SEALED:
         return True
     at = _TABLE_OFF + 8 * nl
     if at + seal_bytes > hb:
         return False
-    seal = bytes(rec[at : at + seal_bytes])
-    if not cipher.open(bytes(rec[112:_FIXED_BYTES]), _aad(rec, nl), memoryview(rec[hb : hb + pb]), seal):
+    table_seal = rec[_TABLE_OFF : at + seal_bytes].tobytes()
+    table = table_seal[: 8 * nl]
+    mv = memoryview(rec)
+    if not cipher.open(fixed[_TENANT], fixed + table, mv[hb : hb + pb], table_seal[8 * nl :]):
         return False
-    _FLAGS.pack_into(rec, 10, flags & ~FLAG_SEALED)
+    plain = _with_flags(fixed, flags & ~FLAG_SEALED)
+    _FLAGS.pack_into(mv, 10, flags & ~FLAG_SEALED)
     rec[at : at + seal_bytes] = 0
-    _resum(rec, nl)
+    _U64.pack_into(mv, _HDR_SUM_OFF, xxhash.xxh3_64_intdigest(plain + table))
     return True
