@@ -3,6 +3,7 @@ block) and verified there; real segment files (O_DIRECT where the filesystem tak
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,3 +138,23 @@ def test_blocks_of_a_tier_without_such_reads_are_left_to_load(tmp_path: Path) ->
 def test_destinations_of_the_wrong_size_are_refused(rig: Rig) -> None:
     with pytest.raises(ValueError, match="writable contiguous uint8"):
         rig.store.load_into(rig.layout.shape, [r[:-2] for r in rig.rows], rig.keys, timeout=30)
+
+
+def test_a_read_in_flight_at_the_deadline_is_waited_for_before_returning(rig: Rig) -> None:
+    """The caller's buffers are its own memory: a read still writing into them when the deadline
+    passes is waited for, so nothing lands in them after ``load_into`` returned."""
+    real, gate, finished = rig.ssd.read_split_now, threading.Event(), threading.Event()
+
+    def stalled(keys, parts, rb):  # type: ignore[no-untyped-def]
+        gate.wait(10)
+        try:
+            return real(keys, parts, rb)
+        finally:
+            finished.set()
+
+    rig.ssd.read_split_now = stalled  # type: ignore[method-assign]
+    threading.Timer(0.5, gate.set).start()
+    res = rig.store.load_into(rig.layout.shape, list(rig.rows), rig.keys, timeout=0.05)
+    assert finished.is_set()  # the read returned before the call did
+    assert res.restored == 0 and res.planned == N and res.waited_past_deadline
+    assert rig.store.metrics.value("restores_abandoned", reason="deadline") == 1

@@ -3,6 +3,7 @@ copy), verified in the row: a corrupt chunk fails and is recomputed, never repor
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -93,5 +94,38 @@ def test_a_corrupt_chunk_read_into_its_row_fails_and_is_recomputed(tmp_path: Pat
         eng.evict_primary()
         assert eng.lookup(ks) == [HIT] * 3
         assert all(np.array_equal(eng.read(k), payload(k)) for k in ks)
+    finally:
+        eng.stop()
+
+
+def test_after_a_load_waits_past_its_deadline_on_a_read_loads_go_through_staging(tmp_path: Path) -> None:
+    """A stalled SSD read into vLLM's rows is waited for (the row must not be handed back while the
+    read can still land in it); the job fails and later loads use staging slabs, which a load can
+    abandon at its deadline."""
+    ks = _stored(tmp_path, 4)
+    eng = Engine.start({**ssd(tmp_path), "load_timeout_s": 0.2})
+    try:
+        (ours,) = eng.tier.store.tiers
+        real, gate = ours.read_split_now, threading.Event()
+
+        def stalled(keys, parts, rb):  # type: ignore[no-untyped-def]
+            gate.wait(10)
+            return real(keys, parts, rb)
+
+        ours.read_split_now = stalled  # type: ignore[method-assign]
+        threading.Timer(0.6, gate.set).start()
+        results = []
+        tier_poll = eng.tier.get_finished_jobs
+        eng.tier.get_finished_jobs = lambda: results.extend(r := list(tier_poll())) or r  # type: ignore[method-assign]
+        with eng.manager.lock:
+            assert [eng.manager.lookup(k, eng.ctx) for k in ks[:2]] == [LookupResult.HIT_PENDING] * 2
+        eng.settle()
+        (res,) = results
+        assert not res.success and not res.successful_keys
+        assert eng.tier.store.metrics.value("restores_abandoned", reason="deadline") == 1
+        taken = count_staging_slabs(eng)
+        assert eng.lookup(ks[2:]) == [HIT, HIT]
+        assert taken[0] > 0  # staged this time
+        assert all(np.array_equal(eng.read(k), payload(k)) for k in ks[2:])
     finally:
         eng.stop()
