@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -32,6 +33,8 @@ try:
     _lib.dtkv_decode_batch.restype = None
     _lib.dtkv_decode_ptrs.argtypes = [_p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _p, _p, _p, _p, _p, _i64, _p]
     _lib.dtkv_decode_ptrs.restype = None
+    _lib.dtkv_verify_batch.argtypes = [_p, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _p]
+    _lib.dtkv_verify_batch.restype = None
     AVAILABLE = True
     UNAVAILABLE_REASON = ""
 except (ImportError, OSError, AttributeError) as e:  # no compiler at install time, or a broken build
@@ -110,8 +113,10 @@ def verify_scatter(t: LayerTable, block_id: int, payload: np.ndarray, sums: np.n
 
 MAX_LAYERS = 1024  # DTKV_MAX_FAST_LAYERS in fastcodec.c; larger models take the Python path
 
-# status codes of decode_batch (negative; a value >= 0 is the first layer that failed its checksum)
+# status codes of decode_batch and verify_batch (negative; a value >= 0 is the first layer that failed
+# its checksum). UNSUPPORTED: more layers than MAX_LAYERS; SEALED: the payload is encrypted for its tenant
 OK, BAD_MAGIC, BAD_VERSION, HEADER_CORRUPT, NAMESPACE, KEY, LAYOUT = -1, -2, -3, -4, -5, -6, -7
+UNSUPPORTED, SEALED = -8, -9
 
 
 def decode_batch(
@@ -166,3 +171,33 @@ def decode_ptrs(
         len(block_ids),
         status.ctypes.data,
     )
+
+
+def verify_batch(
+    records: Sequence[np.ndarray],
+    num_layers: int,
+    layer_bytes: int,
+    header_bytes: int,
+    expect_prefix: bytes,
+    expect_desc: bytes,
+    namespace: bytes,
+    keys: bytes,
+) -> np.ndarray:
+    """``decode_batch``'s checks without the scatter (records bound for a device copy): header, identity,
+    layout and every layer's checksum of each record, in one call that runs without the GIL (threads
+    verifying other records meanwhile run in parallel). Returns one status per record (codes above).
+
+    ``records``: contiguous uint8 arrays, each holding at least the header and ``num_layers`` layers
+    (checked here: the helper reads that much of each); ``keys``: the expected 16-byte keys, joined."""
+    n = len(records)
+    need = header_bytes + num_layers * layer_bytes
+    if len(keys) != 16 * n or len(namespace) != 16 or len(expect_prefix) != 16 or len(expect_desc) != 48:
+        raise ValueError("verify_batch needs a 16-byte namespace, prefix and key per record and a 48-byte descriptor")
+    for r in records:
+        if r.dtype != np.uint8 or not r.flags.c_contiguous or r.nbytes < need:
+            raise ValueError(f"every record must be a contiguous uint8 buffer of at least {need} bytes")
+    ptrs = np.fromiter((r.ctypes.data for r in records), np.uint64, n)
+    status = np.empty(n, np.int64)
+    _lib.dtkv_verify_batch(ptrs.ctypes.data, num_layers, layer_bytes, header_bytes, expect_prefix, expect_desc,
+                           namespace, keys, n, status.ctypes.data)
+    return status

@@ -118,16 +118,42 @@ int64_t dtkv_verify_scatter(const uint64_t *layer_ptrs, int64_t num_layers, int6
     return r;
 }
 
-/* Status codes of dtkv_decode_batch besides a layer number (>= 0) and DTKV_OK. */
+/* Status codes of dtkv_decode_batch and dtkv_verify_batch besides a layer number (>= 0) and DTKV_OK. */
 enum { DTKV_OK = -1, DTKV_BAD_MAGIC = -2, DTKV_BAD_VERSION = -3, DTKV_HEADER_CORRUPT = -4,
-       DTKV_NAMESPACE = -5, DTKV_KEY = -6, DTKV_LAYOUT = -7, DTKV_UNSUPPORTED = -8 };
+       DTKV_NAMESPACE = -5, DTKV_KEY = -6, DTKV_LAYOUT = -7, DTKV_UNSUPPORTED = -8, DTKV_SEALED = -9 };
 #define DTKV_MAX_FAST_LAYERS 1024
+#define DTKV_FLAG_SEALED 0x0001
+
+/* The header and identity checks of one record, in the order the Python reader makes them.
+ * `expect_desc` is the 48-byte layout descriptor (record bytes [64, 112)) the engine needs; byte 66
+ * (the writer's engine layout) may differ, and bytes [112, 120) (the record's tenant) are not the
+ * reader's concern: keys already differ per tenant. A sealed record (its payload encrypted for its
+ * tenant) is refused here: its layer checksums are over the plaintext. `scratch` holds
+ * 120 + 8 * num_layers bytes. Returns DTKV_OK or a negative status. */
+static inline int64_t check_header(const uint8_t *rec, int64_t num_layers, const uint8_t *expect_prefix,
+                                   const uint8_t *expect_desc, const uint8_t *namespace_, const uint8_t *key,
+                                   uint8_t *scratch) {
+    const size_t table_bytes = (size_t)num_layers * 8;
+    uint64_t stored;
+    uint16_t flags;
+    if (memcmp(rec, expect_prefix, 8) != 0) return DTKV_BAD_MAGIC;
+    if (memcmp(rec + 8, expect_prefix + 8, 2) != 0) return DTKV_BAD_VERSION;
+    memcpy(scratch, rec, 120);
+    memcpy(scratch + 120, rec + 128, table_bytes);
+    memcpy(&stored, rec + 120, 8);
+    if (XXH3_64bits(scratch, 120 + table_bytes) != stored) return DTKV_HEADER_CORRUPT;
+    if (memcmp(rec + 12, expect_prefix + 12, 4) != 0) return DTKV_LAYOUT; /* header_bytes */
+    if (memcmp(rec + 16, namespace_, 16) != 0) return DTKV_NAMESPACE;
+    if (memcmp(rec + 32, key, 16) != 0) return DTKV_KEY;
+    if (memcmp(rec + 64, expect_desc, 2) != 0 || memcmp(rec + 67, expect_desc + 3, 45) != 0) return DTKV_LAYOUT;
+    memcpy(&flags, rec + 10, 2);
+    if (flags & DTKV_FLAG_SEALED) return DTKV_SEALED;
+    return DTKV_OK;
+}
 
 /* Verify header + identity of each record and, when they hold, verify and scatter its layers.
  * Records are at records + i*record_bytes (dtkv_decode_batch) or at ptrs[i] (dtkv_decode_ptrs: records
- * read in place, e.g. from the host tier's arena). `expect_desc` is the 48-byte layout descriptor
- * (record bytes [64, 112)) the engine needs; byte 66 (the writer's engine layout) may differ, and
- * bytes [112, 120) (the record's tenant) are not the reader's concern: keys already differ per tenant.
+ * read in place, e.g. from the host tier's arena). Header checks: check_header.
  * `keys` holds n 16-byte keys. status[i]: DTKV_OK, a negative code above, or the first bad layer. */
 static void decode_records(const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
                            int64_t block_stride, int64_t plane_stride, int64_t plane_bytes,
@@ -140,21 +166,11 @@ static void decode_records(const uint64_t *layer_ptrs, int64_t num_layers, int64
         return;
     }
     uint8_t scratch[120 + 8 * DTKV_MAX_FAST_LAYERS];
-    uint64_t stored, sums[DTKV_MAX_FAST_LAYERS];
+    uint64_t sums[DTKV_MAX_FAST_LAYERS];
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *rec = ptrs ? (const uint8_t *)(uintptr_t)ptrs[i] : records + i * record_bytes;
-        if (memcmp(rec, expect_prefix, 8) != 0) { status[i] = DTKV_BAD_MAGIC; continue; }
-        if (memcmp(rec + 8, expect_prefix + 8, 2) != 0) { status[i] = DTKV_BAD_VERSION; continue; }
-        memcpy(scratch, rec, 120);
-        memcpy(scratch + 120, rec + 128, table_bytes);
-        memcpy(&stored, rec + 120, 8);
-        if (XXH3_64bits(scratch, 120 + table_bytes) != stored) { status[i] = DTKV_HEADER_CORRUPT; continue; }
-        if (memcmp(rec + 12, expect_prefix + 12, 4) != 0) { status[i] = DTKV_LAYOUT; continue; } /* header_bytes */
-        if (memcmp(rec + 16, namespace_, 16) != 0) { status[i] = DTKV_NAMESPACE; continue; }
-        if (memcmp(rec + 32, keys + 16 * i, 16) != 0) { status[i] = DTKV_KEY; continue; }
-        if (memcmp(rec + 64, expect_desc, 2) != 0 || memcmp(rec + 67, expect_desc + 3, 45) != 0) {
-            status[i] = DTKV_LAYOUT; continue;
-        }
+        status[i] = check_header(rec, num_layers, expect_prefix, expect_desc, namespace_, keys + 16 * i, scratch);
+        if (status[i] != DTKV_OK) continue;
         memcpy(sums, rec + 128, table_bytes);
         const uint8_t *next = i + 1 < n ? (ptrs ? (const uint8_t *)(uintptr_t)ptrs[i + 1] : rec + record_bytes) : NULL;
         status[i] = verify_scatter(layer_ptrs, num_layers, planes, block_stride, plane_stride,
@@ -162,6 +178,28 @@ static void decode_records(const uint64_t *layer_ptrs, int64_t num_layers, int64
                                    next ? next + header_bytes : NULL);
     }
     copy_done();
+}
+
+/* decode_records without the scatter: the header checks and every layer's checksum of the records
+ * at ptrs[i] (each at least header_bytes + num_layers * layer_bytes long), for bytes that go on to a
+ * device copy. status[i]: DTKV_OK, a negative code above, or the first layer whose checksum failed. */
+void dtkv_verify_batch(const uint64_t *ptrs, int64_t num_layers, int64_t layer_bytes, int64_t header_bytes,
+                       const uint8_t *expect_prefix, const uint8_t *expect_desc, const uint8_t *namespace_,
+                       const uint8_t *keys, int64_t n, int64_t *status) {
+    if (num_layers <= 0 || num_layers > DTKV_MAX_FAST_LAYERS) {
+        for (int64_t i = 0; i < n; i++) status[i] = DTKV_UNSUPPORTED;
+        return;
+    }
+    uint8_t scratch[120 + 8 * DTKV_MAX_FAST_LAYERS];
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *rec = (const uint8_t *)(uintptr_t)ptrs[i];
+        status[i] = check_header(rec, num_layers, expect_prefix, expect_desc, namespace_, keys + 16 * i, scratch);
+        for (int64_t j = 0; status[i] == DTKV_OK && j < num_layers; j++) {
+            uint64_t want;
+            memcpy(&want, rec + 128 + 8 * j, 8);
+            if (dtkv_hash(rec + header_bytes + j * layer_bytes, (size_t)layer_bytes) != want) status[i] = j;
+        }
+    }
 }
 
 void dtkv_decode_batch(const uint64_t *layer_ptrs, int64_t num_layers, int64_t planes,
