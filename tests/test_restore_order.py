@@ -131,7 +131,7 @@ def _fake_cuda_load(monkeypatch: pytest.MonkeyPatch, ops: CountingOps) -> tuple[
     monkeypatch.setattr(device_copy, "_device_ctx", ops.guard)
     chunk, forwards = [0], [0]
     verifies: list[str] = []
-    real_scatter, real_verify = kernels.scatter_records, codec._verify_to_serve
+    real_scatter, real_verify = kernels.scatter_records, codec.verify_for_device
 
     def forward() -> None:
         forwards[0] += 1
@@ -151,7 +151,7 @@ def _fake_cuda_load(monkeypatch: pytest.MonkeyPatch, ops: CountingOps) -> tuple[
         return real_verify(*a, **kw)
 
     monkeypatch.setattr(kernels, "scatter_records", scatter)
-    monkeypatch.setattr(codec, "_verify_to_serve", verify)
+    monkeypatch.setattr(codec, "verify_for_device", verify)
     return verifies, forward
 
 

@@ -398,9 +398,14 @@ def decode_block(buf, layout: EngineLayout, block_id: int, *, namespace: bytes, 
     return hdr
 
 
+#: ``spread(n, verify)``: ``verify(a, b)`` over ``[0, n)`` cut into ranges, maybe on several threads;
+#: the per-record results in order (``store.reads.fanout.fan_out``)
+Spread = Callable[[int, Callable[[int, int], list[RecordError | None]]], list[RecordError | None]]
+
+
 def decode_blocks(
     buf, layout: EngineLayout, block_ids: Sequence[int], *, namespace: bytes, keys: Sequence[bytes],
-    session: RestoreSession | None = None,
+    session: RestoreSession | None = None, spread: Spread | None = None,
 ) -> list[RecordError | None]:
     """Batch ``decode_block`` over records laid back to back in ``buf`` (one staging slab).
 
@@ -410,7 +415,8 @@ def decode_blocks(
 
     ``session`` (CUDA layouts): the load this batch belongs to; the copy to the device is then
     still in flight on return and ``buf`` stays unwritten until the session says it is done
-    (``RestoreSession.after``). None: the blocks hold the records on return.
+    (``RestoreSession.after``). None: the blocks hold the records on return. ``spread`` (CUDA
+    layouts): runs the host verify of the records, which the calling thread then copies.
     """
     a = _as_u8(buf)
     n = len(block_ids)
@@ -424,7 +430,7 @@ def decode_blocks(
     _check_block_ids(layout, block_ids)
     if layout.is_cuda:
         return _decode_cuda([a[i * rb : (i + 1) * rb] for i in range(n)], layout, block_ids, namespace, keys, a,
-                            session)
+                            session, spread)
     table = layout.fast_table()
     if table is None:
         out: list[RecordError | None] = []
@@ -487,24 +493,49 @@ def decode_records(
 
 def _decode_cuda(recs: Sequence[np.ndarray], layout: EngineLayout, block_ids: Sequence[int], namespace: bytes,
                  keys: Sequence[bytes], chunk: np.ndarray | None,
-                 session: RestoreSession | None = None) -> list[RecordError | None]:
-    """CUDA batch restore: every record verified on the host first, then the good ones reach the
-    engine with one host-to-device copy and one scatter (``device_copy.restore_records``), queued
-    in ``session`` (the host verifies the next batch while this one's copy runs).
+                 session: RestoreSession | None = None, spread: Spread | None = None) -> list[RecordError | None]:
+    """CUDA batch restore: every record verified on the host first (``verify_for_device``, over
+    ``spread``'s threads when given), then the good ones reach the engine with one host-to-device copy
+    and one scatter (``device_copy.restore_records``) queued on this thread, in ``session`` (the host
+    verifies the next batch while this one's copy runs)."""
+    def verify(a: int, b: int) -> list[RecordError | None]:
+        return verify_for_device(recs[a:b], layout, namespace=namespace, keys=keys[a:b])
 
-    The verification stays on the calling thread: python-xxhash keeps the GIL for inputs up to
-    64 KiB (a layer of one block per rank is usually smaller), so more threads would only take
-    turns, and take the GIL from the engine's thread more often."""
-    errors: list[RecordError | None] = [None] * len(recs)
-    for i, r in enumerate(recs):
-        try:
-            _verify_to_serve(r, namespace, keys[i], layout.shape)
-        except RecordError as e:
-            errors[i] = e
+    errors = verify(0, len(recs)) if spread is None else spread(len(recs), verify)
     good = [i for i in range(len(recs)) if errors[i] is None]
     if good:
         whole = chunk if len(good) == len(recs) else None  # back to back and all good: upload as is
         _restore_cuda(layout, [recs[i] for i in good], [block_ids[i] for i in good], whole, session)
+    return errors
+
+
+def verify_is_compiled(layout: EngineLayout) -> bool:
+    """Whether ``verify_for_device`` checks this layout's records in the compiled helper, which runs
+    without the GIL: then a chunk's verify split over threads runs in parallel."""
+    return fast.AVAILABLE and layout.shape.num_layers <= fast.MAX_LAYERS
+
+
+def verify_for_device(recs: Sequence[np.ndarray], layout: EngineLayout, *, namespace: bytes,
+                      keys: Sequence[bytes]) -> list[RecordError | None]:
+    """``_verify_to_serve`` of each record (contiguous, at least ``record_bytes``) about to be copied
+    to a device: one entry per record, None if it may be copied, else the error that refuses it.
+
+    One call of the compiled helper for all of them where it is built (GIL released; a record it
+    rejects is checked again in Python to name the error); else record by record in Python, where
+    python-xxhash keeps the GIL for inputs up to 64 KiB (a layer of one block per rank is usually
+    smaller), so threads would only take turns. Any thread; reads ``recs`` only."""
+    shape = layout.shape
+    if verify_is_compiled(layout) and all(r.flags.c_contiguous for r in recs):
+        prefix, desc = _descriptor(shape, layout.kind)
+        status = fast.verify_batch(recs, shape.num_layers, shape.layer_bytes, header_bytes(shape.num_layers),
+                                   prefix, desc, namespace, b"".join(keys))
+        return _errors(status, recs.__getitem__, layout, namespace, keys)
+    errors: list[RecordError | None] = [None] * len(recs)
+    for i, r in enumerate(recs):
+        try:
+            _verify_to_serve(r, namespace, keys[i], shape)
+        except RecordError as e:
+            errors[i] = e
     return errors
 
 

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...blocks.codec import decode_blocks, decode_records, record_bytes
+from ...blocks.codec import decode_blocks, decode_records, record_bytes, verify_is_compiled
 from ...blocks.keys import BlockKey
 from ...blocks.layout import EngineLayout
 from ...policy.pacing import SLICE_BYTES, Pacer
@@ -73,8 +73,8 @@ BUDGET_FLOOR_S = 0.2
 
 class _ChunkDecoder:
     """Runs a chunk's verify+scatter: in slices, each admitted by the load's pacer, while it limits
-    the restore's CPU; else, for layouts the compiled decoder handles, fanned out over a few
-    threads (``store.reads.fanout``)."""
+    the restore's CPU; else, for layouts the compiled decoder handles (a CUDA layout's: its
+    compiled host verify), fanned out over a few threads (``store.reads.fanout``)."""
 
     def __init__(self, pacer: Pacer | None, deadline: float | None, rb: int, ways: int | None) -> None:
         self.pacer, self.deadline, self.rb, self.ways = pacer, deadline, rb, ways
@@ -161,9 +161,9 @@ class ChunkReader:
         in_place_ok = layout.fast_table() is not None
         budget, budget_binding = self._budget(layout, keys, deadline)
         inflight: deque[ChunkRead] = deque()
-        # compiled layouts only: the Python path (and a CUDA layout's verify) holds the GIL, threads
-        # would take turns
-        ways = (None if decode_threads is None else max(1, decode_threads)) if in_place_ok else 1
+        # compiled paths only (a CUDA layout's host verify too): Python's holds the GIL, threads take turns
+        fans = in_place_ok or (layout.is_cuda and verify_is_compiled(layout))
+        ways = (None if decode_threads is None else max(1, decode_threads)) if fans else 1
         decoder = _ChunkDecoder(pacer, deadline, rb, ways)
         session = RestoreSession(layout.device) if layout.is_cuda else None  # module docstring
         next_i = 0
@@ -336,6 +336,9 @@ class ChunkReader:
 
                 errors = decode_blocks_on_device(slab.tensor[:n_read * rb], layout, ids, namespace=self._ns_digest,
                                                  keys=ks, session=session)
+            elif session is not None:  # CUDA: the host verify fans out, the chunk's one copy is queued here
+                errors = decode_blocks(slab.array[:n_read * rb], layout, ids, namespace=self._ns_digest, keys=ks,
+                                       session=session, spread=decoder)
             else:
                 arr = slab.array
                 errors = decoder(n_read, lambda a, b: decode_blocks(arr[a * rb:b * rb], layout, ids[a:b],
