@@ -7,7 +7,10 @@ paged layout into records (header + per-layer xxh3 checksums); ``decode`` verifi
 and scatters it back into the engine layout, a staging slab of ``--batch`` records per call.
 Each path is compared with a memcpy in its own
 direction: ``memcpy_gbps`` engine bytes -> staging slab (encode's), ``memcpy_in_gbps`` record
-payloads -> an engine-sized buffer (decode's).
+payloads -> an engine-sized buffer (decode's). ``verify`` is a CUDA restore's host half (every
+check, no scatter: ``codec.verify_for_device``), against the same ``memcpy_in``: on one core, and
+with each load chunk (``--chunk-mib``) fanned out as the store's read pipeline does
+(``store.reads.fanout``, ``verify_threads`` threads).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ..blocks import codec
 from ..blocks.keys import Namespace, chain_keys, parents_of
 from ..blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
 from ..staging.slabs import StagingPool
+from ..store.reads import fanout
 from . import report
 
 
@@ -50,6 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--working-set-mib", type=int, default=256, help="engine KV bytes cycled through")
     p.add_argument("--batch", type=int, default=8, help="blocks per encode call (one staging slab)")
     p.add_argument("--repeats", type=int, default=7, help="passes over the working set; best is kept")
+    p.add_argument("--chunk-mib", type=int, default=8, help="load chunk the fanned-out verify splits")
 
 
 def _best_gbps(fns: dict[str, Callable[[], int]], repeats: int,
@@ -70,7 +75,7 @@ def _best_gbps(fns: dict[str, Callable[[], int]], repeats: int,
 
 
 def bench_shape(shape: ModelShape, kind: EngineLayoutKind, working_set: int, batch: int, repeats: int,
-                steps: report.Steps | None = None) -> dict:
+                steps: report.Steps | None = None, chunk_bytes: int = 8 << 20) -> dict:
     heads = 1 if kind is EngineLayoutKind.MLA else shape.kv_heads
     head = shape.kv_heads * shape.head_size if kind is EngineLayoutKind.MLA else shape.head_size
     per_block = 2 * shape.layers * shape.block_size * shape.kv_heads * shape.head_size * shape.dtype.itemsize
@@ -131,11 +136,34 @@ def bench_shape(shape: ModelShape, kind: EngineLayoutKind, working_set: int, bat
                 raise RuntimeError(f"decode failed: {errs}")
         return nblocks * payload
 
-    res: dict = {"block_bytes": payload, "record_bytes": rb, "blocks": nblocks}
-    fns = {"memcpy": memcpy, "encode": encode, "memcpy_in": memcpy_in, "decode": decode}
+    recs = [records[b * rb : (b + 1) * rb] for b in range(nblocks)]
+    per_chunk = max(1, min(nblocks, chunk_bytes // rb))
+
+    def verify_range(a: int, b: int) -> list:
+        errs = codec.verify_for_device(recs[a:b], layout, namespace=ns.digest, keys=keys[a:b])
+        if any(errs):
+            raise RuntimeError(f"verify failed: {errs}")
+        return errs
+
+    def verify() -> int:
+        for b0 in range(0, nblocks, per_chunk):
+            verify_range(b0, min(nblocks, b0 + per_chunk))
+        return nblocks * payload
+
+    def verify_fanned() -> int:
+        for b0 in range(0, nblocks, per_chunk):
+            fanout.fan_out(min(per_chunk, nblocks - b0), rb, lambda a, b, b0=b0: verify_range(b0 + a, b0 + b))
+        return nblocks * payload
+
+    res: dict = {"block_bytes": payload, "record_bytes": rb, "blocks": nblocks, "verify_threads": fanout.WAYS,
+                 "verify_compiled": codec.verify_is_compiled(layout), "chunk_records": per_chunk}
+    fns = {"memcpy": memcpy, "encode": encode, "memcpy_in": memcpy_in, "decode": decode, "verify": verify,
+           "verify_fanout": verify_fanned}
     res.update(_best_gbps(fns, repeats, lambda what: steps and steps.step(f"{shape.name}: {what}")))
     res["encode_ratio"] = res["encode_gbps"] / res["memcpy_gbps"]
     res["decode_ratio"] = res["decode_gbps"] / res["memcpy_in_gbps"]
+    res["verify_ratio"] = res["verify_gbps"] / res["memcpy_in_gbps"]
+    res["verify_fanout_ratio"] = res["verify_fanout_gbps"] / res["memcpy_in_gbps"]
     pool.close()
     return res
 
@@ -145,10 +173,10 @@ def run(args: argparse.Namespace) -> dict:
     kind = EngineLayoutKind[args.layout.upper()]
     names = list(SHAPES) if args.shape == "all" else [args.shape]
     report.progress("codec", f"{', '.join(names)}: {args.working_set_mib} MiB working set, {args.repeats} passes "
-                    f"of memcpy / encode / memcpy_in / decode each")
+                    f"of memcpy / encode / memcpy_in / decode / verify / fanned-out verify each")
     steps = report.Steps("codec", len(names) * (args.repeats + 1))
-    per = {n: bench_shape(SHAPES[n], kind, args.working_set_mib << 20, args.batch, args.repeats, steps)
-           for n in names}
+    per = {n: bench_shape(SHAPES[n], kind, args.working_set_mib << 20, args.batch, args.repeats, steps,
+                          args.chunk_mib << 20) for n in names}
     first = per[names[0]]
     out = {
         "shape": names[0],
@@ -159,6 +187,8 @@ def run(args: argparse.Namespace) -> dict:
         "memcpy_in_gbps": first["memcpy_in_gbps"],
         "encode_ratio": first["encode_ratio"],
         "decode_ratio": first["decode_ratio"],
+        "verify_gbps": first["verify_gbps"],
+        "verify_fanout_gbps": first["verify_fanout_gbps"],
         "repeats": args.repeats,
         "shapes": per,
     }
@@ -167,12 +197,17 @@ def run(args: argparse.Namespace) -> dict:
 
 def format_result(res: dict) -> str:
     """One table per shape: each path against the memcpy of the same bytes in its direction."""
-    out = [f"codec: {res['layout']} layout, one core, best of {res['repeats']} passes (GB/s = 10^9 bytes/s)"]
+    out = [f"codec: {res['layout']} layout, one core unless a row says threads, best of {res['repeats']} passes "
+           f"(GB/s = 10^9 bytes/s)"]
     for name, r in res["shapes"].items():
         rows = [["encode (gather + checksum)", r["encode_gbps"], "memcpy engine -> slab", r["memcpy_gbps"],
                  r["encode_ratio"]],
                 ["decode (verify + scatter)", r["decode_gbps"], "memcpy slab -> engine", r["memcpy_in_gbps"],
-                 r["decode_ratio"]]]
+                 r["decode_ratio"]],
+                [f"verify only{'' if r['verify_compiled'] else ' (Python)'}", r["verify_gbps"],
+                 "memcpy slab -> engine", r["memcpy_in_gbps"], r["verify_ratio"]],
+                [f"verify only, {r['verify_threads']} threads per chunk", r["verify_fanout_gbps"],
+                 "memcpy slab -> engine", r["memcpy_in_gbps"], r["verify_fanout_ratio"]]]
         title = (f"\n{name}: {r['block_bytes'] / 2**10:.0f} KiB blocks, {r['record_bytes'] / 2**10:.0f} KiB records, "
                  f"{r['blocks']} blocks")
         out.append(report.table(["path", "GB/s", "ceiling", "GB/s", "ratio"], rows, title=title,
