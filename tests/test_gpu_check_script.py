@@ -1,7 +1,8 @@
 """``scripts/gpu-check`` cannot pass vacuously: run on a CPU machine against a stand-in interpreter
-(``PYTHON``) that plays torch with CUDA, the GDS probe, pytest and the benchmark, it passes only when
-the verdict, every gpu-marked test file and the benchmark pass, and fails on a skipped GPU test, a
-compat-mode verdict, a verdict that disagrees with nvidia_fs, and a benchmark that cannot import.
+(``PYTHON``) that plays torch with CUDA, the GDS probe, pytest, the benchmark and the GPU probe, it
+passes only when the verdict, every gpu-marked test file, the benchmark and the probe pass, and fails
+on a skipped GPU test, a compat-mode verdict, a verdict that disagrees with nvidia_fs, a benchmark
+that cannot import and a probe that cannot run.
 Everything the stand-in does not play (the script's own report checks) runs on the real interpreter.
 ``scripts/gpu-wheels`` runs on a machine without ``.venv``."""
 
@@ -80,6 +81,19 @@ if args[:1] == ["tests/gpu_copy_table.py"]:
     sys.exit(0)
 if args[:2] == ["-m", "pip"]:
     sys.exit(0)
+if args == ["-"]:  # scripts/gpu-probe/run.sh's environment listing (gpu-check's report checks pass arguments)
+    sys.stdin.read()
+    print("probe environment (stand-in)")
+    sys.exit(0)
+if args[:1] == ["scripts/gpu-probe/probe.py"]:
+    if env("FAKE_PROBE") == "dry":  # the real probe's dry run, through gpu-check's environment
+        os.execv({python!r}, [{python!r}, *args, "--cpu"])
+    if env("FAKE_PROBE") == "crash":
+        print("Traceback (most recent call last):")
+        print("ImportError: cannot import name 'codec' from 'dynamo_tiered_kv'")
+        sys.exit(1)
+    print("[probe] 5 sections, 0 raised (stand-in)")
+    sys.exit(0)
 real()
 '''
 
@@ -116,6 +130,8 @@ def test_passes_when_all_is_well(tmp_path: Path, rig: dict[str, str]) -> None:
     assert listed == gpu_marked_files()
     assert "tests/test_deferred_encode.py" in listed and "tests/test_kernels.py" in listed
     assert f"gpu tests: {len(listed)} passed, 0 failed or errors, 0 skipped" in out.stdout
+    assert "[probe] 5 sections, 0 raised (stand-in)" in (tmp_path / "out" / "probe.txt").read_text()
+    assert "probe environment (stand-in)" in (tmp_path / "out" / "probe-env.txt").read_text()
 
 
 def test_a_skipped_gpu_test_fails(tmp_path: Path, rig: dict[str, str]) -> None:
@@ -184,6 +200,24 @@ def test_a_bench_that_cannot_import_fails(tmp_path: Path, rig: dict[str, str]) -
     assert out.returncode == 1
     assert "FAIL (bench): dtkv bench gpudirect exited" in out.stdout
     assert "gpu-check: FAIL: bench" in out.stdout
+
+
+def test_a_probe_that_cannot_run_fails_the_check_loudly(tmp_path: Path, rig: dict[str, str]) -> None:
+    """The probe measures and judges nothing, but one that cannot import fails the check."""
+    out = gpu_check(tmp_path, rig, FAKE_PROBE="crash")
+    assert out.returncode == 1, out.stdout
+    assert "ImportError: cannot import name 'codec'" in out.stdout
+    assert "FAIL (probe): scripts/gpu-probe/run.sh exited 1" in out.stdout
+    assert f"gpu-check: FAIL: probe (outputs in {tmp_path / 'out'})" in out.stdout
+
+
+def test_the_check_runs_the_real_probe_in_its_environment(tmp_path: Path, rig: dict[str, str]) -> None:
+    """The probe's dry run through gpu-check and run.sh: the paths they set up reach the package."""
+    out = gpu_check(tmp_path, rig, FAKE_PROBE="dry")
+    assert out.returncode == 0, out.stdout + out.stderr
+    probe = (tmp_path / "out" / "probe.txt").read_text()
+    assert "[probe] 5 sections, 0 raised" in probe and "[B3] device records" in probe, probe
+    assert f"work dir {tmp_path / 'ssd' / 'probe'}" in probe
 
 
 @cpu_only
