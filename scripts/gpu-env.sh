@@ -8,7 +8,7 @@
 gpu_env() {
   [ -n "${DTKV_GPU_ENV:-}" ] && return 0
   if [ -d .gpu-wheels ]; then
-    timeout 300 "$PY" -m pip install -q --no-index --no-deps --upgrade --target .gpu-site .gpu-wheels/*.whl \
+    timeout 120 "$PY" -m pip install -q --no-index --no-deps --upgrade --target .gpu-site .gpu-wheels/*.whl \
       || { echo "installing .gpu-wheels into .gpu-site failed"; return 2; }
     export PYTHONPATH="$PWD/.gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
   else
