@@ -279,7 +279,8 @@ def _summarize(args: argparse.Namespace, tier: str, kib: int, plan: dict[str, An
         "store_jobs_gbps": _range([per_run_bytes / r["jobs_done_s"] / 1e9 for r in stored]),
         "load_gbps": _range([x for x in load_runs if x > 0]), "load_gbps_runs": load_runs,
         # the client's CPU (every thread of the load process) per GB loaded
-        "load_cpu_s_per_gb": _range([r["cpu_s"] / (r["bytes"] / 1e9) for r in loaded if r.get("cpu_s") and r["bytes"]]),
+        "load_cpu_s_per_gb": _range([r.get("load_cpu_s", r["cpu_s"]) / (r["bytes"] / 1e9) for r in loaded
+                                     if r.get("cpu_s") and r["bytes"]]),
         # of what the tier held when its writer exited (a store job may fail: vLLM keeps it uncached)
         "stored_share": sum(r["stored"] for r in stored) / (len(stored) * prefixes * chunks),
         "found_after_restart": sum(r["hits"] for r in loaded) / max(1, sum(r["stored"] for r in stored)),
