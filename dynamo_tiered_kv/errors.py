@@ -69,6 +69,12 @@ class TierUnavailable(TieredKVError):
     """The tier cannot serve right now (disabled, down, out of space). Callers fall back."""
 
 
+class SourceStalled(TierUnavailable):
+    """A tier gave a read up because its source went silent past the tier's bound (a stalled
+    gateway or device): another attempt would only wait too. The blocks are recomputed; the store
+    counts the load as abandoned for a stall."""
+
+
 class TierFull(TieredKVError):
     """The write would exceed the tier's capacity and nothing can be evicted."""
 

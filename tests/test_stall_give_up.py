@@ -114,6 +114,8 @@ async def test_a_bucket_that_delays_every_request_10s_is_a_miss_within_3s(
         # the GET, its hedge and one retry with what is left of the read's first-byte allowance,
         # not three more full waits
         assert proxy.faults - faults <= STALL_WAITS + 1, proxy.faults - faults
+        # counted once, for the stall, though no restore budget is set
+        assert store.metrics.value("restores_abandoned_total", reason="stall") == 1
         proxy.set_mode("pass")
         proxy.sever()
         await asyncio.sleep(backend.breaker.cooldown_s if backend.breaker.state != "closed" else 0)

@@ -30,7 +30,8 @@ Names (all prefixed ``dtkv_``; ``tier`` is the tier's ``name``):
     restores_abandoned_total{reason} loads cut short by time, the rest recomputed: "estimate" (the
                                      object tier expected its GETs to outlast the restore budget and
                                      sent none), "budget" (the budget, recompute_tokens_per_s, ran
-                                     out), "deadline" (the load's timeout passed)
+                                     out), "deadline" (the load's timeout passed), "stall" (a tier
+                                     gave a read up: its source stayed silent past the tier's bound)
     observability_failures_total{what}  observability set-up that failed while the store kept serving
                                      (port: /metrics port unavailable; collector: not registered)
     codec_fast_path                  1 when the compiled codec helper is loaded, 0 when CPU-layout
@@ -122,7 +123,7 @@ class StoreMetrics:
         self.restore_bytes = Counter("dtkv_restore_bytes", "record bytes restores read, by tier", ["tier"],
                                      registry=r)
         self.restores_abandoned = Counter("dtkv_restores_abandoned", "loads cut short by time (estimate, budget, "
-                                          "deadline); their blocks are recomputed", ["reason"], registry=r)
+                                          "deadline, stall); their blocks are recomputed", ["reason"], registry=r)
         self.codec_fast_path = Gauge("dtkv_codec_fast_path", "1 when the compiled codec helper is loaded",
                                      registry=r)
         self.codec_fast_path.set(float(fast.AVAILABLE))

@@ -47,6 +47,7 @@ class ChunkRead:
     spans: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # tier -> read intervals
     nbytes: dict[int, int] = field(default_factory=dict)  # tier -> bytes arrived
     budget: ReadBudget | None = None  # the load's bound on its object-tier reads (``read_budget``)
+    stalled: bool = False  # a tier gave up a read of this chunk for silence (``SourceStalled``)
 
 
 def slot_view(slab: Slab | DeviceSlab, offset: int, nbytes: int) -> memoryview | DeviceSpan:

@@ -44,6 +44,7 @@ import numpy as np
 from ...blocks.codec import decode_blocks, decode_records, record_bytes, verify_is_compiled
 from ...blocks.keys import BlockKey
 from ...blocks.layout import EngineLayout
+from ...errors import SourceStalled
 from ...policy.pacing import SLICE_BYTES, Pacer
 from ...staging.device_copy import RestoreSession
 from ...staging.device_slabs import DeviceSlab
@@ -52,7 +53,7 @@ from ...tiers.base import ReadBudget, ReadRequest, Tier, read_budget
 from .chunk import ChunkRead, Handoff, slot_view
 from .direct import DirectReader, first_part
 from .fanout import fan_out
-from .stages import LoadStages
+from .stages import LoadStages, union_length
 
 if TYPE_CHECKING:
     from ...policy.admission import Admission
@@ -160,6 +161,7 @@ class ChunkReader:
             per_chunk if tier_chunk is not None else max(1, min(per_chunk, self.load_first_chunk_bytes // rb))
         in_place_ok = layout.fast_table() is not None
         budget, budget_binding = self._budget(layout, keys, deadline)
+        stalled = False  # a tier gave up one of this load's reads for silence
         inflight: deque[ChunkRead] = deque()
         # compiled paths only (a CUDA layout's host verify too): Python's holds the GIL, threads take turns
         fans = in_place_ok or (layout.is_cuda and verify_is_compiled(layout))
@@ -242,6 +244,7 @@ class ChunkReader:
                 st.wait_s += time.perf_counter() - t0
                 if sources is None:  # timed out or failed; the slab is taken care of
                     break
+                stalled = stalled or rd.stalled
                 for ti, sp in rd.spans.items():
                     spans.setdefault(ti, []).extend(sp)
                 for ti, b in rd.nbytes.items():
@@ -261,10 +264,10 @@ class ChunkReader:
                 del loaded[:], tiers_of[:]  # the device failed: nothing restored can be trusted
             st.decode_s += time.perf_counter() - t0
         if len(loaded) < n:
-            self._count_abandoned(budget, budget_binding, deadline)
+            self._count_abandoned(budget, budget_binding, deadline, stalled)
         for ti, sp in spans.items():
             name = self.tiers[ti].name
-            st.read_s[name] = st.read_s.get(name, 0.0) + _union(sp)
+            st.read_s[name] = st.read_s.get(name, 0.0) + union_length(sp)
         for ti, b in nbytes.items():
             name = self.tiers[ti].name
             st.read_bytes[name] = st.read_bytes.get(name, 0) + b
@@ -407,7 +410,8 @@ class ChunkReader:
             return ReadBudget(deadline), False
         return ReadBudget(end), True
 
-    def _count_abandoned(self, budget: ReadBudget | None, binding: bool, deadline: float | None) -> None:
+    def _count_abandoned(self, budget: ReadBudget | None, binding: bool, deadline: float | None,
+                         stalled: bool = False) -> None:
         """Count a load cut short by time, once, by why (``dtkv_restores_abandoned_total``)."""
         gave_up = None if budget is None else budget.gave_up
         if gave_up == "estimate":
@@ -416,6 +420,8 @@ class ChunkReader:
             reason = "budget" if binding else "deadline"
         elif deadline is not None and time.monotonic() >= deadline:
             reason = "deadline"
+        elif stalled:
+            reason = "stall"
         else:
             return  # a miss or a record that failed verification: not a matter of time
         self.metrics.restores_abandoned.labels(reason).inc()
@@ -557,6 +563,7 @@ class ChunkReader:
                     results = await tier.read_many([ReadRequest(keys[j], slot_view(slab, j * rb, rb))
                                                     for j in range(start, end)])
         except Exception as e:
+            rd.stalled = rd.stalled or _stalled(e)
             self.metrics.errors.labels(tier.name, "read").inc()
             self.metrics.misses.labels(tier.name).inc(end - start)
             log.warning("read of %d blocks from tier %s failed: %s", end - start, tier.name, e)
@@ -585,16 +592,10 @@ def _split(start: int, end: int, rb: int, parallelism: int, min_piece: int | Non
     return [(bounds[i], bounds[i + 1]) for i in range(k)]
 
 
-def _union(spans: list[tuple[float, float]]) -> float:
-    """Total length covered by possibly overlapping intervals."""
-    total, cur_a, cur_b = 0.0, None, None
-    for a, b in sorted(spans):
-        if cur_b is None or a > cur_b:
-            if cur_b is not None and cur_a is not None:
-                total += cur_b - cur_a
-            cur_a, cur_b = a, b
-        else:
-            cur_b = max(cur_b, b)
-    if cur_b is not None and cur_a is not None:
-        total += cur_b - cur_a
-    return total
+def _stalled(e: BaseException | None) -> bool:
+    """Whether ``e`` or an error it was raised from is a tier giving a read up for silence."""
+    while e is not None:
+        if isinstance(e, SourceStalled):
+            return True
+        e = e.__cause__
+    return False

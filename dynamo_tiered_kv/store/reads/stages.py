@@ -24,3 +24,18 @@ class LoadStages:
     paced_s: float = 0.0
     total_s: float = 0.0
     chunks: int = 0
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by possibly overlapping intervals."""
+    total, cur_a, cur_b = 0.0, None, None
+    for a, b in sorted(spans):
+        if cur_b is None or a > cur_b:
+            if cur_b is not None and cur_a is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None and cur_a is not None:
+        total += cur_b - cur_a
+    return total

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 
-from ...errors import TierUnavailable
+from ...errors import SourceStalled
 from .direct_get import BodyStalled, FirstByteTimeout
 
 #: first-byte bounds one read may wait in all, and attempts it may end in silence
@@ -34,7 +34,7 @@ STALL_WAITS = 2
 MIN_FIRST_BYTE_SHARE = 0.25
 
 
-class ReadStalled(TierUnavailable):
+class ReadStalled(SourceStalled):
     """A ranged read spent its allowance for silence (module docstring): the gateway is stalled,
     and one more attempt would only wait too. Not retried."""
 
