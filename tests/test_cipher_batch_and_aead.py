@@ -108,3 +108,25 @@ def test_a_batch_keeps_the_misses_and_a_new_batch_sees_an_erase() -> None:
     keys.keys.pop(T1)  # erased: the next batch looks the key up again and finds none
     ct = bytearray(buf)
     assert not cipher.batch().open(T1, b"", ct, seal) and ct == buf
+
+
+def test_an_open_with_lent_room_is_one_aead_call_and_gives_the_bytes_back(monkeypatch) -> None:
+    cipher = RecordCipher(lambda tenant, create: K1)
+    plain = payload(5000)
+    sealed = bytearray(plain)
+    seal = cipher.seal(T1, b"a", sealed)
+    lent = b"next record's head"[:TAG_BYTES]
+
+    def no_context(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a GCM context was built for an open that has room for its tag")
+
+    monkeypatch.setattr(cipher_module, "Cipher", no_context)
+    buf = bytearray(sealed) + bytearray(lent)
+    assert cipher.batch().open(T1, b"a", memoryview(buf), seal, lent=TAG_BYTES)
+    assert buf[:5000] == plain and buf[5000:] == lent
+    bad = bytearray(sealed) + bytearray(lent)
+    bad[10] ^= 1
+    assert not cipher.open(T1, b"a", bad, seal, lent=TAG_BYTES)
+    assert bad[:5000] == bytearray(5000) and bad[5000:] == lent  # zeroed, and the lent bytes back
+    with pytest.raises(ValueError, match="lent"):
+        cipher.open(T1, b"a", bytearray(8), seal, lent=9)

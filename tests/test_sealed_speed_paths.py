@@ -30,14 +30,14 @@ class SpyCipher:
 
     def __init__(self, inner: RecordCipher) -> None:
         self.inner = inner
-        self.opened: list[memoryview] = []
+        self.opened: list[tuple[memoryview, int]] = []
 
     def seal(self, tenant: bytes, aad: bytes, payload: memoryview, out: memoryview | None = None) -> bytes:
         return self.inner.seal(tenant, aad, payload, out)
 
-    def open(self, tenant: bytes, aad: bytes, payload: memoryview, seal: bytes) -> bool:
-        self.opened.append(payload)
-        return self.inner.open(tenant, aad, payload, seal)
+    def open(self, tenant: bytes, aad: bytes, payload: memoryview, seal: bytes, *, lent: int = 0) -> bool:
+        self.opened.append((payload, lent))
+        return self.inner.open(tenant, aad, payload, seal, lent=lent)
 
 
 def test_a_record_is_decrypted_in_the_callers_buffer_without_a_copy() -> None:
@@ -50,9 +50,10 @@ def test_a_record_is_decrypted_in_the_callers_buffer_without_a_copy() -> None:
     hb, pb = codec.header_bytes(3), src.shape.payload_bytes
     rec = slab[rb : 2 * rb]
     assert open_record(rec, spy, SEAL_BYTES)
-    (view,) = spy.opened
+    ((view, lent),) = spy.opened
     assert np.shares_memory(np.frombuffer(view, np.uint8), rec)
-    assert np.frombuffer(view, np.uint8).ctypes.data == rec[hb:].ctypes.data and len(view) == pb
+    assert np.frombuffer(view, np.uint8).ctypes.data == rec[hb:].ctypes.data and len(view) - lent == pb
+    assert lent == TAG_BYTES  # this shape's padding after the payload is the tag's room: one AEAD call
     assert np.array_equal(rec, plain[rb : 2 * rb])
 
 
@@ -97,5 +98,32 @@ async def test_write_batches_reuse_their_sealed_copy_buffers(tmp_path: Path, mon
                     got = bytearray(len(r))
                     assert await tier.read_into(k, memoryview(got)) == len(r) and bytes(got) == r
         assert len(made) <= SEAL_AHEAD, f"{len(made)} sealed-copy buffers made for {3 * batches} batches"
+    finally:
+        await tier.close()
+
+
+async def test_a_slab_read_opens_every_record_but_the_last_with_one_aead_call(tmp_path: Path, monkeypatch) -> None:
+    from dynamo_tiered_kv.tenants import cipher as cipher_module
+
+    contexts: list[object] = []
+    real_cipher = cipher_module.Cipher
+
+    def counting_cipher(*args: object, **kwargs: object) -> object:
+        contexts.append(args)
+        return real_cipher(*args, **kwargs)
+
+    tier = SealedTier(SSDTier(tmp_path, capacity_bytes=64 << 20, segment_bytes=4 << 20, idle_seal_s=None), _cipher())
+    await tier.open()
+    try:
+        keys = [bytes([9, j]) + bytes(14) for j in range(5)]
+        recs = [make_record(k, j, tenant=T1) for j, k in enumerate(keys)]
+        await tier.write_many([(k, memoryview(r)) for k, r in zip(keys, recs, strict=True)])
+        rb = len(recs[0])
+        slab = np.full(6 * rb, 0x77, np.uint8)  # one spare slot after the read: never touched
+        monkeypatch.setattr(cipher_module, "Cipher", counting_cipher)
+        got = await tier.read_slab(keys, slab[: 5 * rb], rb)
+        assert got == [rb] * 5
+        assert len(contexts) == 1  # the last record has no next slot to borrow from
+        assert b"".join(recs) == slab[: 5 * rb].tobytes() and np.all(slab[5 * rb :] == 0x77)
     finally:
         await tier.close()

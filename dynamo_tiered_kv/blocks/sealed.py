@@ -31,13 +31,15 @@ _U64 = struct.Struct("<Q")
 #: the fixed header's fields sealing needs: magic, flags, header bytes, layers, payload bytes
 _GEOM = struct.Struct("<8s2xHI52xI24xQ")
 _TENANT = slice(112, _FIXED_BYTES)
+#: bytes after a payload that let the cipher open it with one call (the GCM tag's length)
+TAG_ROOM = 16
 assert _GEOM.size == 104
 
 
 class Cipher(Protocol):
     def seal(self, tenant: bytes, aad: bytes, payload: memoryview, out: memoryview | None = None) -> bytes: ...
 
-    def open(self, tenant: bytes, aad: bytes, payload: memoryview, seal: bytes) -> bool: ...
+    def open(self, tenant: bytes, aad: bytes, payload: memoryview, seal: bytes, *, lent: int = 0) -> bool: ...
 
 
 def _geometry_of(fixed: bytes, nbytes: int) -> tuple[int, int, int, int]:
@@ -116,12 +118,14 @@ def seal_record(rec: np.ndarray, cipher: Cipher, seal_bytes: int, *, src: np.nda
     _U64.pack_into(out, _HDR_SUM_OFF, xxhash.xxh3_64_intdigest(aad))
 
 
-def open_record(rec: np.ndarray, cipher: Cipher, seal_bytes: int) -> bool:
+def open_record(rec: np.ndarray, cipher: Cipher, seal_bytes: int, *, lent: int = 0) -> bool:
     """Open the sealed record ``rec`` in place; False (the bytes are then not to be used) when its
-    tenant's key is missing or anything was changed. A plain record is left as it is (True)."""
+    tenant's key is missing or anything was changed. A plain record is left as it is (True).
+    ``lent``: ``rec`` is the record followed by ``lent`` bytes the cipher may borrow as room for the
+    tag (no other thread may use them meanwhile; they hold what they held before on return)."""
     try:
         fixed = rec[:_FIXED_BYTES].tobytes()
-        flags, nl, hb, pb = _geometry_of(fixed, rec.nbytes)
+        flags, nl, hb, pb = _geometry_of(fixed, rec.nbytes - lent)
     except HeaderCorrupt:
         return True  # not a record: the caller's verify reports it
     if not flags & FLAG_SEALED:
@@ -132,7 +136,12 @@ def open_record(rec: np.ndarray, cipher: Cipher, seal_bytes: int) -> bool:
     table_seal = rec[_TABLE_OFF : at + seal_bytes].tobytes()
     table = table_seal[: 8 * nl]
     mv = memoryview(rec)
-    if not cipher.open(fixed[_TENANT], fixed + table, mv[hb : hb + pb], table_seal[8 * nl :]):
+    room = min(TAG_ROOM, rec.nbytes - hb - pb)  # the record's own padding, then the lent bytes
+    if room < TAG_ROOM:
+        opened = cipher.open(fixed[_TENANT], fixed + table, mv[hb : hb + pb], table_seal[8 * nl :])
+    else:
+        opened = cipher.open(fixed[_TENANT], fixed + table, mv[hb : hb + pb + room], table_seal[8 * nl :], lent=room)
+    if not opened:
         return False
     plain = _with_flags(fixed, flags & ~FLAG_SEALED)
     _FLAGS.pack_into(mv, 10, flags & ~FLAG_SEALED)

@@ -36,8 +36,9 @@ up once for the batch instead of once per record.
 Cost (docs/ENCRYPTION.md section 8): ``cryptography`` holds the GIL while it encrypts, so the
 cipher's time adds to the process's Python time whatever thread runs it. A seal into a separate
 buffer with 16 spare bytes after the payload is one call of the AEAD object (``AESGCM``, built
-once per DEK: no key schedule, no per-call objects); an open, whose tag is not next to the
-ciphertext, runs a GCM context on an ``AES`` object built once per DEK.
+once per DEK: no key schedule, no per-call objects). An open is one ``AESGCM.decrypt_into`` where
+the caller lends 16 bytes after the payload (the tag is put there for the call, the bytes are put
+back before it returns), else a GCM context on an ``AES`` object built once per DEK.
 """
 
 from __future__ import annotations
@@ -98,13 +99,25 @@ def key_ref(tenant_key: bytes) -> bytes:
     return hmac.new(tenant_key, _REF_LABEL, hashlib.sha256).digest()[:KEY_REF_BYTES]
 
 
+@dataclass(frozen=True)
+class _Dek:
+    """A DEK as the two objects that use it: the algorithm GCM contexts take, and a one-shot AEAD
+    (its key schedule done once)."""
+
+    algo: algorithms.AES
+    aead: AESGCM
+
+    @classmethod
+    def of(cls, dek: bytes) -> _Dek:
+        return cls(algorithms.AES(dek), AESGCM(dek))
+
+
 @dataclass
 class _Writer:
     """The DEK one tenant seals under in this cipher; ``next_nonce`` guarded by ``lock``."""
 
     ref: bytes
-    dek: algorithms.AES  # the DEK, as the algorithm object GCM contexts take
-    aead: AESGCM  # the same DEK as a one-shot AEAD (its key schedule done once)
+    dek: _Dek
     head: bytes  # seal[:52]: format, reserved, key reference, wrapped DEK
     aad_head: bytes  # associated data up to the caller's aad: label, tenant, head
     next_nonce: int
@@ -132,8 +145,8 @@ class RecordCipher:
         self._lock = threading.Lock()  # guards the three maps below
         self._refs: dict[bytes, tuple[bytes, bytes]] = {}  # tenant -> (tenant key, its reference)
         self._writers: dict[bytes, _Writer] = {}
-        # (tenant, ref, wrapped DEK) -> the DEK as an AES algorithm object (checked once, reused by every open)
-        self._deks: OrderedDict[tuple[bytes, bytes, bytes], algorithms.AES] = OrderedDict()
+        # (tenant, ref, wrapped DEK) -> the DEK's cipher objects (built once, reused by every open)
+        self._deks: OrderedDict[tuple[bytes, bytes, bytes], _Dek] = OrderedDict()
 
     def __repr__(self) -> str:
         return f"RecordCipher(tenants={len(self._refs)}, cached_deks={len(self._deks)})"
@@ -170,7 +183,7 @@ class RecordCipher:
         for k in [k for k in self._deks if k[0] == tenant]:
             del self._deks[k]
 
-    def _cache_dek_locked(self, k: tuple[bytes, bytes, bytes], dek: algorithms.AES) -> None:
+    def _cache_dek_locked(self, k: tuple[bytes, bytes, bytes], dek: _Dek) -> None:
         self._deks[k] = dek
         self._deks.move_to_end(k)
         while len(self._deks) > self._dek_cache_size:
@@ -185,10 +198,10 @@ class RecordCipher:
                     dek = os.urandom(DEK_BYTES)
                     wrapped = aes_key_wrap(key, dek)
                     head = bytes([SEAL_FORMAT, 0, 0, 0]) + ref + wrapped
-                    algo = algorithms.AES(dek)
-                    w = _Writer(ref, algo, AESGCM(dek), head, _AAD_LABEL + tenant + head, 0, threading.Lock())
+                    objs = _Dek.of(dek)
+                    w = _Writer(ref, objs, head, _AAD_LABEL + tenant + head, 0, threading.Lock())
                     self._writers[tenant] = w
-                    self._cache_dek_locked((tenant, ref, wrapped), algo)
+                    self._cache_dek_locked((tenant, ref, wrapped), objs)
             with w.lock:
                 n = w.next_nonce
                 if n < self._records_per_dek:
@@ -219,12 +232,17 @@ class RecordCipher:
         """
         return self._seal(self._tenant_ref(tenant, True), tenant, aad, payload, out)
 
-    def open(self, tenant: bytes, aad: bytes, payload: memoryview | bytearray, seal: bytes) -> bool:
+    def open(self, tenant: bytes, aad: bytes, payload: memoryview | bytearray, seal: bytes, *,
+             lent: int = 0) -> bool:
         """Decrypt ``payload`` in place. True if it is authentic plaintext now. False on a malformed
         seal, no tenant key, another tenant-key generation or an unwrappable DEK (``payload``
         untouched, still ciphertext), or a failed tag (``payload`` zeroed): never unauthenticated
-        plaintext. Only a tenant id that is not 8 bytes raises."""
-        return self._open(self._tenant_ref(tenant, False), tenant, aad, payload, seal)
+        plaintext. Only a tenant id that is not 8 bytes raises.
+
+        ``lent``: the last ``lent`` bytes of ``payload`` are not ciphertext but bytes the caller lends
+        (no other thread may use them meanwhile); with 16 or more, the tag goes there for one
+        ``AESGCM.decrypt_into`` and they hold what they held before when this returns."""
+        return self._open(self._tenant_ref(tenant, False), tenant, aad, payload, seal, lent)
 
     def _seal(self, got: tuple[bytes, bytes] | None, tenant: bytes, aad: bytes,
               payload: memoryview | bytearray, out: memoryview | bytearray | None) -> bytes:
@@ -233,7 +251,7 @@ class RecordCipher:
         key, ref = got
         if out is None:
             w, nonce = self._take_nonce(tenant, key, ref)
-            enc = Cipher(w.dek, modes.GCM(nonce)).encryptor()
+            enc = Cipher(w.dek.algo, modes.GCM(nonce)).encryptor()
             enc.authenticate_additional_data(w.aad_head + aad)
             _crypt_in_place(enc, _bytes_view(payload))
             enc.finalize()
@@ -245,16 +263,16 @@ class RecordCipher:
             raise ValueError("out must be at least as long as the payload")
         w, nonce = self._take_nonce(tenant, key, ref)
         if len(dst) >= n + TAG_BYTES:  # room for the tag after the ciphertext: one AEAD call
-            w.aead.encrypt_into(nonce, src, w.aad_head + aad, dst[: n + TAG_BYTES])
+            w.dek.aead.encrypt_into(nonce, src, w.aad_head + aad, dst[: n + TAG_BYTES])
             return w.head + nonce + bytes(dst[n : n + TAG_BYTES])
-        enc = Cipher(w.dek, modes.GCM(nonce)).encryptor()
+        enc = Cipher(w.dek.algo, modes.GCM(nonce)).encryptor()
         enc.authenticate_additional_data(w.aad_head + aad)
         _crypt_into(enc, src, dst[:n])
         enc.finalize()
         return w.head + nonce + enc.tag
 
     def _open(self, key_and_ref: tuple[bytes, bytes] | None, tenant: bytes, aad: bytes,
-              payload: memoryview | bytearray, seal: bytes) -> bool:
+              payload: memoryview | bytearray, seal: bytes, lent: int = 0) -> bool:
         if key_and_ref is None or len(seal) != SEAL_BYTES or seal[0] != SEAL_FORMAT or any(seal[1:4]):
             return False
         key, ref = key_and_ref
@@ -265,18 +283,35 @@ class RecordCipher:
         dek = self._dek(tenant, ref, key, wrapped)
         if dek is None:
             return False
-        mv = _bytes_view(payload)
-        dec = Cipher(dek, modes.GCM(seal[_OFF_NONCE:_OFF_TAG], seal[_OFF_TAG:])).decryptor()
-        dec.authenticate_additional_data(_AAD_LABEL + tenant + seal[:_AUTH] + aad)
+        whole = _bytes_view(payload)
+        if not 0 <= lent <= len(whole):
+            raise ValueError("lent must be within the payload buffer")
+        n = len(whole) - lent
+        mv = whole[:n]
+        full_aad = _AAD_LABEL + tenant + seal[:_AUTH] + aad
+        if lent >= TAG_BYTES:  # ciphertext | tag in one buffer: one AEAD call, in place
+            room = whole[n : n + TAG_BYTES]
+            kept = bytes(room)
+            room[:] = seal[_OFF_TAG:]
+            try:
+                dek.aead.decrypt_into(seal[_OFF_NONCE:_OFF_TAG], whole[: n + TAG_BYTES], full_aad, mv)
+            except InvalidTag:
+                mv[:] = bytes(n)
+                return False
+            finally:
+                room[:] = kept
+            return True
+        dec = Cipher(dek.algo, modes.GCM(seal[_OFF_NONCE:_OFF_TAG], seal[_OFF_TAG:])).decryptor()
+        dec.authenticate_additional_data(full_aad)
         _crypt_in_place(dec, mv)
         try:
             dec.finalize()
         except InvalidTag:
-            mv[:] = bytes(len(mv))
+            mv[:] = bytes(n)
             return False
         return True
 
-    def _dek(self, tenant: bytes, ref: bytes, key: bytes, wrapped: bytes) -> algorithms.AES | None:
+    def _dek(self, tenant: bytes, ref: bytes, key: bytes, wrapped: bytes) -> _Dek | None:
         k = (tenant, ref, wrapped)
         with self._lock:
             dek = self._deks.get(k)
@@ -284,7 +319,7 @@ class RecordCipher:
                 self._deks.move_to_end(k)
                 return dek
         try:
-            dek = algorithms.AES(aes_key_unwrap(key, wrapped))
+            dek = _Dek.of(aes_key_unwrap(key, wrapped))
         except InvalidUnwrap:
             return None
         with self._lock:
@@ -317,9 +352,10 @@ class CipherBatch:
         """``RecordCipher.seal``."""
         return self._cipher._seal(self._ref(tenant, True), tenant, aad, payload, out)
 
-    def open(self, tenant: bytes, aad: bytes, payload: memoryview | bytearray, seal: bytes) -> bool:
+    def open(self, tenant: bytes, aad: bytes, payload: memoryview | bytearray, seal: bytes, *,
+             lent: int = 0) -> bool:
         """``RecordCipher.open``."""
-        return self._cipher._open(self._ref(tenant, False), tenant, aad, payload, seal)
+        return self._cipher._open(self._ref(tenant, False), tenant, aad, payload, seal, lent)
 
 
 def _bytes_view(payload: memoryview | bytearray) -> memoryview:

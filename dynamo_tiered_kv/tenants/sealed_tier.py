@@ -17,11 +17,12 @@ A byte range of a sealed record cannot be checked on its own (one GCM tag covers
 range read reads the whole record, opens it and copies the range. GPU-direct transfers are off
 (``device_io`` is None): sealing runs on the host.
 
-Cost: ``cryptography`` holds the GIL while it encrypts, so a second thread sealing adds nothing;
+Cost: ``cryptography`` holds the GIL while it encrypts, so a second thread sealing adds little;
 what helps is less work per record and cipher work that overlaps I/O. A batch is sealed, or
-opened, on one thread hop with one key lookup per tenant (``RecordCipher.batch``); each sealed
-record gets 16 bytes of scratch after it (the next record's slot, written after it), so its seal
-is one AEAD call. At most ``SEAL_AHEAD`` write batches hold sealed copies at once (the inner tier
+opened, on one thread hop with one key lookup per tenant (``RecordCipher.batch``); each record
+gets 16 bytes of room after it for its tag (sealing: the next record's slot, written after it;
+opening a slab: the next slot's first bytes, lent and put back), so its seal or open is one AEAD
+call. At most ``SEAL_AHEAD`` write batches hold sealed copies at once (the inner tier
 writes them one after another anyway), so their page-aligned buffers are reused, never faulted in
 afresh.
 
@@ -154,9 +155,9 @@ class SealedTier(Tier):
         return None
 
     # --- reads: open in the caller's buffer ---------------------------------------------------
-    def _open(self, buf: memoryview | np.ndarray, batch: CipherBatch | None = None) -> bool:
+    def _open(self, buf: memoryview | np.ndarray, batch: CipherBatch | None = None, lent: int = 0) -> bool:
         rec = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
-        if open_record(rec.reshape(-1).view(np.uint8), batch or self.cipher, SEAL_BYTES):
+        if open_record(rec.reshape(-1).view(np.uint8), batch or self.cipher, SEAL_BYTES, lent=lent):
             return True
         self.open_failures += 1
         return False
@@ -195,10 +196,21 @@ class SealedTier(Tier):
         return (await self.read_many([ReadRequest(key, into, byte_range)]))[0]
 
     def _open_slab(self, got: list[int | None], dest: np.ndarray, record_bytes: int) -> list[int | None]:
+        """Open the records read into ``dest`` (this call's slots only, read and not yet handed to
+        anyone). Each record but the last borrows the first bytes of the next slot as room for its
+        tag (``open_record``'s ``lent``: put back before the next record is opened), so its open
+        is one AEAD call; bytes past ``dest`` are never touched (another read may own them)."""
         batch = self.cipher.batch()
         flat = dest.reshape(-1).view(np.uint8)
-        return [n if n is None or self._open(flat[i * record_bytes : i * record_bytes + n], batch) else None
-                for i, n in enumerate(got)]
+        out: list[int | None] = []
+        for i, n in enumerate(got):
+            if n is None:
+                out.append(None)
+                continue
+            at = i * record_bytes
+            lent = TAG_BYTES if at + n + TAG_BYTES <= flat.nbytes else 0
+            out.append(n if self._open(flat[at : at + n + lent], batch, lent) else None)
+        return out
 
     async def read_slab(self, keys: Sequence[BlockKey], dest: np.ndarray, record_bytes: int) -> list[int | None]:
         got = await self.inner.read_slab(keys, dest, record_bytes)
