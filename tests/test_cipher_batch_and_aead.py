@@ -130,3 +130,24 @@ def test_an_open_with_lent_room_is_one_aead_call_and_gives_the_bytes_back(monkey
     assert bad[:5000] == bytearray(5000) and bad[5000:] == lent  # zeroed, and the lent bytes back
     with pytest.raises(ValueError, match="lent"):
         cipher.open(T1, b"a", bytearray(8), seal, lent=9)
+
+
+def test_an_aead_that_refuses_the_lent_buffers_falls_back_to_the_context() -> None:
+    """A ``cryptography`` release that will not decrypt over its own input: the open still succeeds
+    (GCM context), and the lent bytes hold what they held."""
+    cipher = RecordCipher(lambda tenant, create: K1)
+    plain = payload(3000)
+    sealed = bytearray(plain)
+    seal = cipher.seal(T1, b"", sealed)
+
+    class Refusing:
+        def decrypt_into(self, *args: object) -> int:
+            raise ValueError("buffers overlap")
+
+    buf = bytearray(sealed) + bytearray(b"L" * TAG_BYTES)
+    assert cipher.batch().open(T1, b"", buf, seal, lent=TAG_BYTES)  # warms the DEK cache
+    dek = next(iter(cipher._deks.values()))
+    object.__setattr__(dek, "aead", Refusing())  # a frozen dataclass: this test alone changes it
+    buf = bytearray(sealed) + bytearray(b"L" * TAG_BYTES)
+    assert cipher.open(T1, b"", buf, seal, lent=TAG_BYTES)
+    assert buf[:3000] == plain and buf[3000:] == b"L" * TAG_BYTES

@@ -290,17 +290,9 @@ class RecordCipher:
         mv = whole[:n]
         full_aad = _AAD_LABEL + tenant + seal[:_AUTH] + aad
         if lent >= TAG_BYTES:  # ciphertext | tag in one buffer: one AEAD call, in place
-            room = whole[n : n + TAG_BYTES]
-            kept = bytes(room)
-            room[:] = seal[_OFF_TAG:]
-            try:
-                dek.aead.decrypt_into(seal[_OFF_NONCE:_OFF_TAG], whole[: n + TAG_BYTES], full_aad, mv)
-            except InvalidTag:
-                mv[:] = bytes(n)
-                return False
-            finally:
-                room[:] = kept
-            return True
+            opened = _open_lent(dek.aead, seal, full_aad, whole, n)
+            if opened is not None:
+                return opened
         dec = Cipher(dek.algo, modes.GCM(seal[_OFF_NONCE:_OFF_TAG], seal[_OFF_TAG:])).decryptor()
         dec.authenticate_additional_data(full_aad)
         _crypt_in_place(dec, mv)
@@ -356,6 +348,26 @@ class CipherBatch:
              lent: int = 0) -> bool:
         """``RecordCipher.open``."""
         return self._cipher._open(self._ref(tenant, False), tenant, aad, payload, seal, lent)
+
+
+def _open_lent(aead: AESGCM, seal: bytes, full_aad: bytes, whole: memoryview, n: int) -> bool | None:
+    """Open ``whole[:n]`` in place with one AEAD call, the tag put in the lent ``whole[n:n + 16]``
+    for the call (their bytes put back after it). None if this ``cryptography`` refuses the buffers
+    (nothing was decrypted: the caller takes the GCM context path)."""
+    mv = whole[:n]
+    room = whole[n : n + TAG_BYTES]
+    kept = bytes(room)
+    room[:] = seal[_OFF_TAG:]
+    try:
+        aead.decrypt_into(seal[_OFF_NONCE:_OFF_TAG], whole[: n + TAG_BYTES], full_aad, mv)
+    except InvalidTag:
+        mv[:] = bytes(n)  # never leave unauthenticated plaintext
+        return False
+    except (TypeError, ValueError):  # e.g. a release that will not decrypt over its input
+        return None
+    finally:
+        room[:] = kept
+    return True
 
 
 def _bytes_view(payload: memoryview | bytearray) -> memoryview:
