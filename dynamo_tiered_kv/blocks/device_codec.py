@@ -60,13 +60,14 @@ def _records(buf: torch.Tensor, n: int, rb: int) -> torch.Tensor:
 
 
 def _layer_sums_on_device(recs: torch.Tensor, hb: int, nl: int, lb: int) -> torch.Tensor:
-    """Per-record, per-layer XXH3-64 of the payloads, on the records' device: int64 [n * nl] (u64 bits)."""
+    """Per-record, per-layer XXH3-64 of the payloads, on the records' device: int64 [n * nl] (u64 bits),
+    record by record. Only queues device work on the calling thread's stream: never waits for it."""
     from ..kernels import xxh3_64_rows
 
-    # one row per layer: a copy of the payloads, not a view (records are longer than their payloads,
-    # so records x layers does not flatten into one strided dimension)
-    rows = recs[:, hb : hb + nl * lb].unflatten(1, (nl, lb)).flatten(0, 1)
-    return xxh3_64_rows(rows)
+    # records x layers x bytes: a strided view of the payloads, hashed where they lie (records are
+    # longer than their payloads, so flattening records x layers into one dimension would copy them)
+    layers = recs[:, hb : hb + nl * lb].unflatten(1, (nl, lb))
+    return xxh3_64_rows(layers).reshape(-1)
 
 
 def _layer_sums(recs: torch.Tensor, hb: int, nl: int, lb: int) -> np.ndarray:

@@ -4,13 +4,22 @@ Bit-exact with ``xxhash.xxh3_64_intdigest``; runs unchanged on CPU and CUDA, so 
 checksum layers without a host copy. All rows share one length, so every branch of XXH3 is chosen once
 per call and the work is vectorized over rows (and, for long inputs, over stripes).
 
+Never waits for the device: on CUDA every op is queued on the calling thread's current stream and
+the call returns at once. Bytes are picked with slices, ``cat`` and ``flip`` (a Python list or host
+tensor used as an index would be copied to the device with a stream synchronize), nothing is read
+back to the host, and the key tables are copied from pinned memory without blocking, once per
+stream (a table is only ever read on the stream that filled it, so no other stream can see it
+half-written).
+
 u64 arithmetic is emulated on int64: add/mul/xor/shift-left wrap to the same bits, but ``>>`` is
-arithmetic, so logical shifts mask off the sign fill (``_lsr``).
+arithmetic, so logical shifts mask off the sign fill (``_lsr``). Bytes become words by reinterpreting
+memory (``Tensor.view(dtype)``), which is little-endian on every device torch runs this on.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -57,10 +66,33 @@ def _sec(off: int, width: int = 8) -> int:
     return int.from_bytes(_SECRET[off : off + width], "little")
 
 
+class _Where(NamedTuple):
+    """Where a call's tables live: the data's device and, on CUDA, the calling thread's current stream."""
+
+    device: torch.device
+    stream: int  # the CUDA stream handle; 0 off CUDA
+
+
+def _where(device: torch.device) -> _Where:
+    if device.type == "cuda":
+        return _Where(device, torch.cuda.current_stream(device).cuda_stream)
+    return _Where(device, 0)
+
+
 @lru_cache(maxsize=1024)
-def _const(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Small int64 tables (keys, gather indices), built once per device: no host->device copy per call."""
-    return torch.tensor([_s64(v) for v in values], dtype=torch.int64, device=device)
+def _table(values: tuple[int, ...], where: _Where) -> torch.Tensor:
+    """Small int64 tables (secret keys, initial lanes), built once per device and stream.
+
+    On CUDA the copy is queued from pinned memory without blocking the caller (a pageable copy waits
+    for the stream), on ``where.stream``, which is the only stream that reads the result: work queued
+    there after the copy sees the table. Torch keeps the pinned block until the copy has run.
+    """
+    host = torch.tensor([_s64(v) for v in values], dtype=torch.int64)
+    if where.device.type == "cpu":
+        return host
+    if where.device.type == "cuda":
+        return host.pin_memory().to(where.device, non_blocking=True)
+    return host.to(where.device)
 
 
 def _lsr(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -105,31 +137,45 @@ def _rrmxmx(h: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def _read_le(data: torch.Tensor, offsets: list[int], width: int) -> torch.Tensor:
-    """Little-endian words of ``width`` bytes at byte ``offsets`` of every row -> int64 [N, len(offsets)]."""
-    idx = _const(tuple(o + i for o in offsets for i in range(width)), data.device)
-    shifts = _const(tuple(range(0, 8 * width, 8)), data.device)
-    b = data[:, idx].view(data.shape[0], len(offsets), width).to(torch.int64)
-    return (b << shifts).sum(-1)  # disjoint bit ranges: the sum is the OR
+    """Little-endian words of ``width`` (4 or 8) bytes at byte ``offsets`` of every row -> int64 [..., len(offsets)].
+
+    The words' bytes are sliced out (adjacent words as one run) and packed into fresh, aligned memory,
+    which is then read as words.
+    """
+    runs: list[list[int]] = []  # [start, end) byte ranges, in offset order
+    for o in offsets:
+        if runs and runs[-1][1] == o:
+            runs[-1][1] = o + width
+        else:
+            runs.append([o, o + width])
+    parts = [data[..., a:b] for a, b in runs]
+    packed = torch.cat(parts, -1) if len(parts) > 1 else parts[0].clone(memory_format=torch.contiguous_format)
+    if width == 8:
+        return packed.view(torch.int64)
+    return packed.view(torch.int32).to(torch.int64) & _M32
 
 
-def _mix16(data: torch.Tensor, in_offs: list[int], sec_offs: list[int]) -> torch.Tensor:
-    """XXH3_mix16B (seed 0) for every (input offset, secret offset) pair -> int64 [N, K]."""
+def _mix16(data: torch.Tensor, in_offs: list[int], sec_offs: list[int], where: _Where) -> torch.Tensor:
+    """XXH3_mix16B (seed 0) for every (input offset, secret offset) pair -> int64 [..., K]."""
     w = _read_le(data, [o + d for o in in_offs for d in (0, 8)], 8)
-    k = _const(tuple(_sec(s + d) for s in sec_offs for d in (0, 8)), data.device)
+    k = _table(tuple(_sec(s + d) for s in sec_offs for d in (0, 8)), where)
     w = w ^ k
-    return _fold(w[:, 0::2], w[:, 1::2])
+    return _fold(w[..., 0::2], w[..., 1::2])
 
 
 def _as_words(x: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, 8m] with contiguous rows -> int64 [N, m]; zero-copy when rows are 8-byte aligned."""
-    n = x.shape[0]
-    if n == 0:
-        return x.new_empty((0, x.shape[1] // 8), dtype=torch.int64)
-    aligned = x.data_ptr() % 8 == 0 and x.storage_offset() % 8 == 0 and x.stride(1) == 1
-    if aligned and n == 1:  # a lone row's stride is irrelevant, but view(dtype) would still check it
-        return x[0].view(torch.int64).unsqueeze(0)
-    if not aligned or x.stride(0) % 8 != 0:
-        x = x.clone(memory_format=torch.contiguous_format)  # fresh storage: offset 0, stride 8m
+    """uint8 [..., 8m] with contiguous rows -> int64 [..., m]; zero-copy when every row starts 8-byte aligned."""
+    lead = x.shape[:-1]
+    if x.numel() == 0:
+        return x.new_empty((*lead, x.shape[-1] // 8), dtype=torch.int64)
+    strides = x.stride()[:-1]
+    aligned = (x.data_ptr() % 8 == 0 and x.storage_offset() % 8 == 0 and x.stride(-1) == 1
+               and all(s % 8 == 0 for s, d in zip(strides, lead, strict=True) if d > 1))
+    if not aligned:
+        return x.clone(memory_format=torch.contiguous_format).view(torch.int64)  # fresh storage: aligned rows
+    if any(s % 8 for s in strides):
+        # only dimensions of size 1 have such strides: they address nothing, but view(dtype) checks them
+        x = x.as_strided(x.shape, (*(s if d > 1 else 0 for s, d in zip(strides, lead, strict=True)), 1))
     return x.view(torch.int64)
 
 
@@ -147,62 +193,64 @@ def _accumulate(words: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, 
     return dk, words
 
 
-_SWAP = [1, 0, 3, 2, 5, 4, 7, 6]
+def _swap_lanes(x: torch.Tensor) -> torch.Tensor:
+    """Lanes i and i ^ 1 of the last dimension (8 accumulator lanes) exchanged."""
+    return x.unflatten(-1, (4, 2)).flip(-1).flatten(-2)
 
 
-def _long(data: torch.Tensor, length: int) -> torch.Tensor:
-    n, dev = data.shape[0], data.device
+def _long(data: torch.Tensor, length: int, where: _Where) -> torch.Tensor:
+    lead = data.shape[:-1]
     stripes = (length - 1) // _STRIPE  # full stripes before the final (overlapping) last stripe
     blocks = (length - 1) // _BLOCK
-    ktab = _const(tuple(_sec(8 * s + 8 * i) for s in range(_STRIPES_PER_BLOCK) for i in range(8)), dev).view(16, 8)
+    ktab = _table(tuple(_sec(8 * s + 8 * i) for s in range(_STRIPES_PER_BLOCK) for i in range(8)), where).view(16, 8)
 
-    w = _as_words(data[:, : stripes * _STRIPE]).view(n, stripes, 8)
+    w = _as_words(data[..., : stripes * _STRIPE]).unflatten(-1, (stripes, 8))
     keys = ktab.repeat(blocks + 1, 1)[:stripes]
     prod, w = _accumulate(w, keys)
     # Every stripe's add is independent of acc, so sum each 1 KiB block's 16 stripes at once.
     nfull = blocks * _STRIPES_PER_BLOCK
-    psum = prod[:, :nfull].reshape(n, blocks, _STRIPES_PER_BLOCK, 8).sum(2)
-    wsum = w[:, :nfull].reshape(n, blocks, _STRIPES_PER_BLOCK, 8).sum(2)
-    bsum = psum + wsum[..., _SWAP]
-    tail = prod[:, nfull:].sum(1) + w[:, nfull:].sum(1)[:, _SWAP]
+    psum = prod[..., :nfull, :].unflatten(-2, (blocks, _STRIPES_PER_BLOCK)).sum(-2)
+    wsum = w[..., :nfull, :].unflatten(-2, (blocks, _STRIPES_PER_BLOCK)).sum(-2)
+    bsum = psum + _swap_lanes(wsum)
+    tail = prod[..., nfull:, :].sum(-2) + _swap_lanes(w[..., nfull:, :].sum(-2))
     del prod, w
 
-    last = _as_words(data[:, length - _STRIPE : length])
-    lk = _const(tuple(_sec(_LAST_STRIPE_OFF + 8 * i) for i in range(8)), dev)
+    last = _as_words(data[..., length - _STRIPE : length])
+    lk = _table(tuple(_sec(_LAST_STRIPE_OFF + 8 * i) for i in range(8)), where)
     lp, lw = _accumulate(last, lk)
-    tail = tail + lp + lw[:, _SWAP]
+    tail = tail + lp + _swap_lanes(lw)
 
-    acc = _const((_P32_3, _P64_1, _P64_2, _P64_3, _P64_4, _P32_2, _P64_5, _P32_1), dev).expand(n, 8)
-    skey = _const(tuple(_sec(_SCRAMBLE_OFF + 8 * i) for i in range(8)), dev)
+    acc = _table((_P32_3, _P64_1, _P64_2, _P64_3, _P64_4, _P32_2, _P64_5, _P32_1), where).expand(*lead, 8)
+    skey = _table(tuple(_sec(_SCRAMBLE_OFF + 8 * i) for i in range(8)), where)
     for b in range(blocks):  # the scramble is nonlinear: the only sequential part
-        acc = acc + bsum[:, b]
+        acc = acc + bsum[..., b, :]
         acc = acc ^ _lsr(acc, 47) ^ skey
         acc = acc * _P32_1
     acc = acc + tail
 
-    mk = _const(tuple(_sec(_MERGE_OFF + 8 * i) for i in range(8)), dev)
+    mk = _table(tuple(_sec(_MERGE_OFF + 8 * i) for i in range(8)), where)
     acc = acc ^ mk
-    res = _fold(acc[:, 0::2], acc[:, 1::2]).sum(1) + _s64(length * _P64_1)
+    res = _fold(acc[..., 0::2], acc[..., 1::2]).sum(-1) + _s64(length * _P64_1)
     return _avalanche(res)
 
 
-def _short(data: torch.Tensor, length: int) -> torch.Tensor:
-    n, dev = data.shape[0], data.device
+def _short(data: torch.Tensor, length: int, where: _Where) -> torch.Tensor:
+    lead = data.shape[:-1]
     if length == 0:
-        return _xxh64_avalanche(torch.full((n,), _s64(_sec(56) ^ _sec(64)), dtype=torch.int64, device=dev))
+        return _xxh64_avalanche(torch.full(lead, _s64(_sec(56) ^ _sec(64)), dtype=torch.int64, device=data.device))
     if length <= 3:
-        c = data[:, [0, length >> 1, length - 1]].to(torch.int64)
-        combined = (c[:, 0] << 16) | (c[:, 1] << 24) | c[:, 2] | (length << 8)
+        c0, c1, c2 = (data[..., i].to(torch.int64) for i in (0, length >> 1, length - 1))
+        combined = (c0 << 16) | (c1 << 24) | c2 | (length << 8)
         return _xxh64_avalanche(combined ^ (_sec(0, 4) ^ _sec(4, 4)))
     if length <= 8:
         w = _read_le(data, [0, length - 4], 4)
-        keyed = (w[:, 1] + (w[:, 0] << 32)) ^ _s64(_sec(8) ^ _sec(16))
+        keyed = (w[..., 1] + (w[..., 0] << 32)) ^ _s64(_sec(8) ^ _sec(16))
         return _rrmxmx(keyed, length)
     if length <= 16:
         w = _read_le(data, [0, length - 8], 8)
-        lo = w[:, 0] ^ _s64(_sec(24) ^ _sec(32))
-        hi = w[:, 1] ^ _s64(_sec(40) ^ _sec(48))
-        swapped = lo.unsqueeze(1).view(torch.uint8).flip(1).contiguous().view(torch.int64).squeeze(1)
+        lo = w[..., 0] ^ _s64(_sec(24) ^ _sec(32))
+        hi = w[..., 1] ^ _s64(_sec(40) ^ _sec(48))
+        swapped = lo.unsqueeze(-1).view(torch.uint8).flip(-1).contiguous().view(torch.int64).squeeze(-1)
         return _avalanche(length + swapped + hi + _fold(lo, hi))
     acc0 = _s64(length * _P64_1)
     if length <= 128:
@@ -210,34 +258,41 @@ def _short(data: torch.Tensor, length: int) -> torch.Tensor:
         for r in range((length - 1) // 32 + 1):  # 1..4 rounds, each a pair from the front and the back
             in_offs += [16 * r, length - 16 * (r + 1)]
             sec_offs += [32 * r, 32 * r + 16]
-        return _avalanche(_mix16(data, in_offs, sec_offs).sum(1) + acc0)
+        return _avalanche(_mix16(data, in_offs, sec_offs, where).sum(-1) + acc0)
     rounds = length // 16
     in_offs = [16 * i for i in range(rounds)] + [length - 16]
     sec_offs = [16 * i for i in range(8)] + [16 * (i - 8) + _MID_START_OFF for i in range(8, rounds)] + [_MID_LAST_OFF]
-    m = _mix16(data, in_offs, sec_offs)
-    acc = _avalanche(m[:, :8].sum(1) + acc0)
-    return _avalanche(acc + m[:, 8:].sum(1))
+    m = _mix16(data, in_offs, sec_offs, where)
+    acc = _avalanche(m[..., :8].sum(-1) + acc0)
+    return _avalanche(acc + m[..., 8:].sum(-1))
 
 
 def xxh3_64_rows(data: torch.Tensor) -> torch.Tensor:
-    """XXH3-64 (seed 0) of each row of ``data``.
+    """XXH3-64 (seed 0) of each row of ``data`` (a row: the last dimension).
 
     Args:
-        data: uint8 tensor [N, L] on any device. Rows may be a strided view whose rows are contiguous
-            (e.g. one layer's slice of many records).
+        data: uint8 tensor [..., L] (two or more dimensions) on any device. It may be a strided view
+            whose rows are contiguous, e.g. one layer's slice of many records, or records x layers x
+            bytes of a batch of records: rows that start 8-byte aligned are hashed where they lie,
+            others from one aligned copy.
 
     Returns:
-        int64 tensor [N] on ``data.device``: the two's-complement bit pattern of each row's unsigned
-        XXH3-64 (``to_unsigned`` recovers the Python ints ``xxhash.xxh3_64_intdigest`` returns).
+        int64 tensor [...] (``data.shape[:-1]``) on ``data.device``: the two's-complement bit pattern
+        of each row's unsigned XXH3-64 (``to_unsigned`` recovers the Python ints
+        ``xxhash.xxh3_64_intdigest`` returns). On CUDA the work is queued on the calling thread's
+        current stream and the call returns without waiting for the device; the result is ready
+        when that stream reaches it.
     """
-    if data.dtype != torch.uint8 or data.dim() != 2:
-        raise ValueError(f"expected a 2-D uint8 tensor, got {data.dtype} with shape {tuple(data.shape)}")
-    n, length = data.shape
-    if n == 0:
-        return torch.empty(0, dtype=torch.int64, device=data.device)
-    if length > 1 and data.stride(1) != 1:
+    if data.dtype != torch.uint8 or data.dim() < 2:
+        raise ValueError(f"expected a uint8 tensor of 2 or more dimensions, got {data.dtype} with shape "
+                         f"{tuple(data.shape)}")
+    lead, length = data.shape[:-1], data.shape[-1]
+    if any(d == 0 for d in lead):
+        return torch.empty(lead, dtype=torch.int64, device=data.device)
+    if length > 1 and data.stride(-1) != 1:
         data = data.contiguous()
-    return _long(data, length) if length > 240 else _short(data, length)
+    where = _where(data.device)
+    return _long(data, length, where) if length > 240 else _short(data, length, where)
 
 
 def to_unsigned(t: torch.Tensor) -> list[int]:
