@@ -14,7 +14,8 @@ import dynamo_tiered_kv.store.reads.pipeline as sr
 from dynamo_tiered_kv.blocks.keys import parents_of
 from dynamo_tiered_kv.errors import TierFull, TierUnavailable
 from dynamo_tiered_kv.staging.slabs import StagingPool
-from dynamo_tiered_kv.store.reads.pipeline import _split, _union
+from dynamo_tiered_kv.store.reads.pipeline import _split
+from dynamo_tiered_kv.store.reads.stages import union_length
 from dynamo_tiered_kv.tiers.host import HostTier
 from tests.test_store import NS, REC, GatedTier, NamedHost, block_bytes, keys_for, make_layout, make_store
 
@@ -292,7 +293,7 @@ def test_split_and_union_helpers() -> None:
     assert _split(3, 4, big, 8) == [(3, 4)]
     assert _split(0, 10, 1024, 8) == [(0, 10)]  # pieces below MIN_PIECE_BYTES are not worth it
     assert len(_split(0, 10, 1024, 8, 2048)) == 5  # a tier's own smallest piece
-    assert _union([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == pytest.approx(3.0)
+    assert union_length([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == pytest.approx(3.0)
     assert NS is not None
 
 
