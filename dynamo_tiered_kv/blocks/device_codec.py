@@ -178,7 +178,8 @@ def warm_up_device_kernels(layout: EngineLayout) -> None:
     """Compile and build now, not on the first save or restore, what a CUDA engine's saves and
     restores launch: the gather/scatter kernel for this layout's record geometry
     (``kernels.gather_scatter.warm_up``: block 0 is copied out and back, unchanged) and the
-    checksum tables on the engine's device. Call at KV cache registration, before the engine
+    checksum code (its tables are cached per stream: the writer and restore streams build theirs on
+    first use, without blocking). Call at KV cache registration, before the engine
     runs, on the registering thread; waits for the device. Never raises: a failure is logged and
     left to the first save or restore (which then compiles, as without this call)."""
     if not layout.is_cuda:
