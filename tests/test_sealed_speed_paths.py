@@ -127,3 +127,37 @@ async def test_a_slab_read_opens_every_record_but_the_last_with_one_aead_call(tm
         assert b"".join(recs) == slab[: 5 * rb].tobytes() and np.all(slab[5 * rb :] == 0x77)
     finally:
         await tier.close()
+
+
+async def test_the_buffers_kept_are_the_largest_so_large_batches_stop_making_new_ones(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    """A small write, then large writes of SEAL_AHEAD batches at once, again and again: once the
+    large buffers exist none is made any more (the small buffer is the one let go)."""
+    made: list[int] = []
+    real_aligned = sealed_tier_module._aligned
+
+    def counting_aligned(nbytes: int) -> np.ndarray:
+        made.append(nbytes)
+        return real_aligned(nbytes)
+
+    monkeypatch.setattr(sealed_tier_module, "_aligned", counting_aligned)
+    tier = SealedTier(SSDTier(tmp_path, capacity_bytes=256 << 20, segment_bytes=16 << 20, idle_seal_s=None),
+                      _cipher())
+    await tier.open()
+    try:
+        rec_len = len(make_record(bytes(16), 0, tenant=T1))
+        per_large = (1 << 20) // rec_len + 1  # larger than the smallest buffer made (1 MiB)
+
+        async def write(rnd: int, sizes: list[int]) -> None:
+            batches = [[(bytes([rnd, b, j]) + bytes(13), make_record(bytes(16), j, tenant=T1)) for j in range(n)]
+                       for b, n in enumerate(sizes)]
+            await asyncio.gather(*(tier.write_many([(k, memoryview(r)) for k, r in batch]) for batch in batches))
+
+        await write(0, [1])  # one small buffer
+        await write(1, [per_large] * SEAL_AHEAD)  # the large ones
+        after_first_large = len(made)
+        for rnd in range(2, 5):
+            await write(rnd, [per_large] * SEAL_AHEAD)
+        assert len(made) == after_first_large, f"{len(made) - after_first_large} buffers made after the first"
+    finally:
+        await tier.close()

@@ -67,8 +67,10 @@ def _aligned(nbytes: int) -> np.ndarray:
 
 class _Buffers:
     """Reused page-aligned buffers for sealed copies: a write batch takes one, gives it back once
-    the inner tier wrote it (at most ``keep`` are kept). Every buffer has ``TAG_BYTES`` past the
-    size asked for (the last record's tag scratch)."""
+    the inner tier wrote it. The ``keep`` largest are kept, and a batch takes the smallest that
+    fits, so a small batch never holds the buffer a large one needs (which would then fault fresh
+    memory in). Every buffer has ``TAG_BYTES`` past the size asked for (the last record's tag
+    scratch)."""
 
     def __init__(self, keep: int = SEAL_AHEAD) -> None:
         self._free: list[np.ndarray] = []
@@ -78,15 +80,16 @@ class _Buffers:
     def take(self, nbytes: int) -> np.ndarray:
         nbytes += TAG_BYTES
         with self._lock:
-            for i, b in enumerate(self._free):
-                if b.nbytes >= nbytes:
-                    return self._free.pop(i)
+            fits = [i for i, b in enumerate(self._free) if b.nbytes >= nbytes]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
         return _aligned(max(nbytes, 1 << 20))
 
     def give(self, buf: np.ndarray) -> None:
         with self._lock:
-            if len(self._free) < self._keep:
-                self._free.append(buf)
+            self._free.append(buf)
+            if len(self._free) > self._keep:  # drop the smallest (by index: arrays do not compare as values)
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].nbytes))
 
 
 class SealedTier(Tier):
