@@ -61,6 +61,12 @@ def _snapshot(conn) -> dict:
     return out
 
 
+def _wire_tag(event) -> str:
+    """The event's tag on the wire (msgspec's tagged union), else its class name."""
+    tag = getattr(getattr(type(event), "__struct_config__", None), "tag", None)
+    return tag if isinstance(tag, str) else type(event).__name__
+
+
 def _store(conn):
     return None if conn is None or conn.worker is None else conn.worker.store
 
@@ -140,8 +146,10 @@ def main(spec_path: str, out_path: str) -> None:
             "served": dict(conn.worker.served) if conn is not None and conn.worker is not None else {},
             "metrics": _snapshot(conn),
             "seconds": seconds,
-            "dtkv_events": [{"kind": type(e).__name__, "blocks": len(e.block_hashes),
-                             "tokens": len(getattr(e, "token_ids", ())), "medium": residency_of(e)}
+            # kind: the event's wire tag (our events are vLLM's with a tenant field added)
+            "dtkv_events": [{"kind": _wire_tag(e), "blocks": len(e.block_hashes),
+                             "tokens": len(getattr(e, "token_ids", ())), "medium": residency_of(e),
+                             "tenant": getattr(e, "dtkv_tenant", None)}
                             for e in published if hasattr(e, "medium") and residency_of(e) is not None],
         })
         published.clear()

@@ -86,6 +86,8 @@ def test_kv_events_announce_stored_blocks_per_tier(world: dict) -> None:
     for medium in ("CPU_PINNED", "DISK"):  # every stored block announced once per tier it is in
         assert sum(e["blocks"] for e in events if (e["kind"], e["medium"]) == ("BlockStored", medium)) == 15
     assert all(e["tokens"] == e["blocks"] * BS for e in events if e["kind"] == "BlockStored")
+    # each names its tenant (the default one here: no cache_salt), as a digest, never a salt
+    assert {len(e["tenant"] or "") for e in events if e["kind"] == "BlockStored"} == {16}
     assert not any(e["kind"] == "BlockRemoved" for e in events)  # nothing evicted, no reset
 
 
