@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .device_copy import ids_on
-from .device_order import Ops, cuda_ops
+from .device_order import Ops, cuda_ops, inline_ops
 
 __all__ = ["device_guard", "finish", "host_buffer", "ids_on", "ops_for", "queue_gather", "save_stream",
            "writer_stream"]
@@ -45,50 +45,15 @@ _save_lock = threading.Lock()
 _local = threading.local()  # per writer thread: {device: stream}
 
 
-class _Now:
-    """A stream and an event on CPU tensors: the work has already run, nothing is ever pending."""
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record(self, stream: Any) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-_NOW = _Now()
-
-
-class _InlineOps:
-    """``Ops`` for CPU tensors: no streams, no events, work runs on the calling thread at once."""
-
-    def current_stream(self, device: Any) -> Any:
-        return _NOW
-
-    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
-
-    def event(self) -> Any:
-        return _NOW
-
-
-_INLINE = _InlineOps()
-
-
 def ops_for(device: torch.device) -> Ops:
     """``torch.cuda``'s streams and events for a CUDA device; the inline stand-in otherwise."""
-    return cuda_ops() if device.type == "cuda" else _INLINE
+    return cuda_ops() if device.type == "cuda" else inline_ops()
 
 
 def save_stream(device: torch.device) -> Any:
     """The stream engine threads queue GPU-direct gathers on (one per CUDA device)."""
     if device.type != "cuda":
-        return _NOW
+        return inline_ops().current_stream(device)
     with _save_lock:
         s = _save.get(device)
         if s is None:
@@ -99,7 +64,7 @@ def save_stream(device: torch.device) -> Any:
 def writer_stream(device: torch.device) -> Any:
     """The calling writer thread's stream on ``device`` (created on first use)."""
     if device.type != "cuda":
-        return _NOW
+        return inline_ops().current_stream(device)
     streams = getattr(_local, "streams", None)
     if streams is None:
         streams = _local.streams = {}
