@@ -86,21 +86,7 @@ class ReadPath:
 
     def _plan_slab(self, keys: Sequence[BlockKey], rb: int) -> list[ReadOp]:
         """(segment, file offset, rb, slot) per hit, in slot order; takes a reader ref on each segment."""
-        ops = []
-        st = self._state
-        get = st.index.get
-        segments = st.segments
-        with st.lock:
-            tick = st.next_tick()
-            for i, k in enumerate(keys):
-                loc = get(k)
-                if loc is None or loc[2] != rb:
-                    continue
-                seg = segments[loc[0]]
-                seg.readers += 1
-                seg.last_used = tick
-                ops.append((seg, loc[1], rb, i))
-        return ops
+        return [(seg, off, rb, i) for seg, off, i in self._state.pin_hits(keys, rb)]
 
     def _execute_slab(self, ops: list[ReadOp], keys: Sequence[BlockKey], dest: np.ndarray, rb: int,
                       results: list[int | None]) -> None:

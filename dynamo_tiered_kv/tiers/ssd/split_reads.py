@@ -69,21 +69,7 @@ class SplitReader:
     def _plan(self, keys: Sequence[BlockKey], rb: int) -> list[tuple[SegmentState, int, int]]:
         """(segment, file offset, slot) per hit of length ``rb``, in slot order; takes a reader ref
         on each segment."""
-        ops = []
-        st = self._state
-        get = st.index.get
-        segments = st.segments
-        with st.lock:
-            tick = st.next_tick()
-            for i, k in enumerate(keys):
-                loc = get(k)
-                if loc is None or loc[2] != rb:
-                    continue
-                seg = segments[loc[0]]
-                seg.readers += 1
-                seg.last_used = tick
-                ops.append((seg, loc[1], i))
-        return ops
+        return self._state.pin_hits(keys, rb)
 
     def _execute(self, ops: list[tuple[SegmentState, int, int]], parts: Sequence[Sequence[np.ndarray]], rb: int,
                  results: list[int | None]) -> None:

@@ -46,6 +46,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
@@ -194,6 +195,25 @@ class SegmentLogState:
         seg.dead = True
         if seg.readers == 0 and self.io is not None:
             self.close_fd(seg.fd)
+
+    def pin_hits(self, keys: Sequence[bytes], length: int) -> list[tuple[SegmentState, int, int]]:
+        """(segment, file offset, position in ``keys``) of each key indexed with a record of
+        ``length`` bytes, in ``keys`` order; each returned segment holds a reader reference (give
+        it back with ``release_locked``), so reclaim cannot delete its file under the read."""
+        ops = []
+        get = self.index.get
+        segments = self.segments
+        with self.lock:
+            tick = self.next_tick()
+            for i, k in enumerate(keys):
+                loc = get(k)
+                if loc is None or loc[2] != length:
+                    continue
+                seg = segments[loc[0]]
+                seg.readers += 1
+                seg.last_used = tick
+                ops.append((seg, loc[1], i))
+        return ops
 
     def release_locked(self, seg: SegmentState) -> None:
         """A reader is done with ``seg`` (under ``lock``)."""
