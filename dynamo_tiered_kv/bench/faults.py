@@ -44,19 +44,18 @@ import numpy as np
 import torch
 
 from ..blocks.codec import record_bytes
-from ..blocks.keys import Namespace, chain_keys, parents_of
-from ..blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
+from ..blocks.keys import chain_keys, parents_of
+from ..blocks.layout import EngineLayout
 from ..config import TieredKVConfig
 from ..factory import build_store
 from ..store import TieredStore
 from ..tiers.objectstore.s3 import S3Backend
 from ..tiers.objectstore.stalls import STALL_WAITS
 from ._faultproxy import FaultProxy
+from ._shapes import BLOCK_TOKENS, SHAPES, flash_layout
 from .report import progress, table
-from .restore_store import SHAPES
 
 MODES = ("pass", "delay", "stall", "reset_body", "stall_body")
-BLOCK_TOKENS = 16
 LOAD_TIMEOUT_S = 30.0  # the store's default load_timeout_s: what an unbounded restore would wait
 BREAKER_WAIT_S = 30.0  # longest wait for the backend's circuit breaker to close between modes
 _T = TypeVar("_T")
@@ -113,15 +112,6 @@ class _ProxyThread:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
             self.loop.close()
-
-
-def _layout(shape: str, blocks: int) -> tuple[EngineLayout, Namespace]:
-    layers, heads, hs = SHAPES[shape]
-    kind = EngineLayoutKind.FLASH_ATTN
-    ts = allocate_engine_kv(kind, num_layers=layers, num_blocks=blocks + 1, block_size=BLOCK_TOKENS,
-                            num_kv_heads=heads, head_size=hs, dtype=torch.bfloat16)
-    ns = Namespace(f"bench-faults-{shape}", "bfloat16", kind.name, BLOCK_TOKENS, layers, heads, hs)
-    return EngineLayout(kind, ts, BLOCK_TOKENS, heads, hs), ns
 
 
 def _block_bytes(layout: EngineLayout, block: int) -> np.ndarray:
@@ -218,7 +208,8 @@ def _bench(args: argparse.Namespace, endpoint: str) -> list[dict]:
     proxy = _ProxyThread(host, int(port))
     store = None
     try:
-        layout, ns = _layout(args.shape, 2 * max(sizes) // BLOCK_TOKENS)
+        layout, ns = flash_layout(args.shape, 2 * max(sizes) // BLOCK_TOKENS, name=f"bench-faults-{args.shape}",
+                                  fill=False)
         cfg: dict[str, Any] = {
             "metrics_port": None, "host_capacity_bytes": 0, "object_url": f"s3://{args.bucket}/faults-{os.getpid()}",
             "s3_endpoint_url": proxy.endpoint, "s3_access_key": args.access_key, "s3_secret_key": args.secret_key,

@@ -32,14 +32,13 @@ import torch
 
 from ..blocks.codec import record_bytes
 from ..blocks.keys import Namespace, chain_keys, parents_of
-from ..blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
+from ..blocks.layout import EngineLayout
 from ..config import TieredKVConfig
 from ..factory import build_store
 from ..tiers.ssd.io import aligned_buffer
 from . import osd_delay
+from ._shapes import BLOCK_TOKENS, SHAPES, flash_layout
 from .report import progress, table
-
-SHAPES = {"qwen2-7b-ish": (8, 2, 128), "qwen2.5-0.5b": (24, 2, 64), "llama-3.1-8b": (32, 8, 128)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,14 +62,8 @@ def _progress(msg: str) -> None:
 
 
 def _layout(shape: str, n: int) -> tuple[EngineLayout, Namespace, list[bytes]]:
-    layers, heads, hs = SHAPES[shape]
-    kind = EngineLayoutKind.FLASH_ATTN
-    ts = allocate_engine_kv(kind, num_layers=layers, num_blocks=n + 1, block_size=16, num_kv_heads=heads,
-                            head_size=hs, dtype=torch.bfloat16)
-    for t in ts:
-        t.normal_()
-    ns = Namespace(f"bench-{shape}", "bfloat16", kind.name, 16, layers, heads, hs)
-    return EngineLayout(kind, ts, 16, heads, hs), ns, chain_keys(ns, np.arange(n * 16) % 50000)
+    layout, ns = flash_layout(shape, n, name=f"bench-{shape}")
+    return layout, ns, chain_keys(ns, np.arange(n * BLOCK_TOKENS) % 50000)
 
 
 BUCKET = os.environ.get("DTKV_S3_BUCKET", "dtkv-bench")

@@ -49,16 +49,15 @@ import torch
 
 from ..blocks.codec import record_bytes
 from ..blocks.keys import BlockKey, Namespace, chain_keys, parents_of
-from ..blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
+from ..blocks.layout import EngineLayout
 from ..config import TieredKVConfig
 from ..factory import build_store
 from ..store import TieredStore
 from ..tiers.objectstore.layout import ns_prefix
 from . import osd_delay, report
-from .restore_store import SHAPES
+from ._shapes import BLOCK_TOKENS, SHAPES, flash_layout
 from .s3 import _raw_get, _start_moto
 
-BLOCK_TOKENS = 16
 QUICK = {"sessions": "2,4", "tokens": 64, "repeats": 1}
 _T = TypeVar("_T")
 
@@ -117,17 +116,6 @@ class _LoopThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
-
-
-def _layout(shape: str, blocks: int) -> tuple[EngineLayout, Namespace]:
-    layers, heads, hs = SHAPES[shape]
-    kind = EngineLayoutKind.FLASH_ATTN
-    ts = allocate_engine_kv(kind, num_layers=layers, num_blocks=blocks + 1, block_size=BLOCK_TOKENS,
-                            num_kv_heads=heads, head_size=hs, dtype=torch.bfloat16)
-    for t in ts:
-        t.normal_()
-    ns = Namespace(f"bench-{shape}", "bfloat16", kind.name, BLOCK_TOKENS, layers, heads, hs)
-    return EngineLayout(kind, ts, BLOCK_TOKENS, heads, hs), ns
 
 
 def _prefix_keys(ns: Namespace, sessions: int, tokens: int) -> list[list[BlockKey]]:
@@ -280,7 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--sessions needs positive counts and --tokens at least {BLOCK_TOKENS}")
     torch.set_num_threads(1)
     blocks = args.tokens // BLOCK_TOKENS
-    layout, ns = _layout(args.shape, levels[-1] * blocks)
+    layout, ns = flash_layout(args.shape, levels[-1] * blocks, name=f"bench-{args.shape}")
     nbytes = blocks * record_bytes(layout.shape)
     ceph = osd_delay.hdd_mode("s3_concurrency", args.s3_endpoint, args.osd_op_delay_ms, args.ceph_dir)
     moto = None

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError
+from .._shapes import SHAPES
 from ..report import progress, table
-from ..restore_store import SHAPES
 from .crypto import run_crypto
 from .erasure import format_erasure, run_erasure
 from .flood import BLOCK_TOKENS, parse_weights, run_flood
