@@ -19,7 +19,7 @@ from dynamo_tiered_kv.tiers.host import HostTier
 from tests.test_store import NS, REC, keys_for, make_layout
 
 #: what an engine adapter calls
-ENGINE_API = {"lookup", "submit_offload", "load", "retain", "prefetch", "prefetch_now", "demote", "expire",
+ENGINE_API = {"lookup", "submit_offload", "load", "load_into", "retain", "prefetch", "prefetch_now", "demote", "expire",
               "drain", "persist", "close", "close_by", "suspend_device", "resume_device", "drop_local",
               "set_residency", "closed"}
 #: the parts, read-only
