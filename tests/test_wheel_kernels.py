@@ -94,8 +94,12 @@ def test_hugging_face_kernels_still_import_after_ours(wheel: Path, tmp_path: Pat
     install(*hf)  # theirs first, as in an SGLang environment
     install(wheel)
 
+    # the venv's imports only: a PYTHONPATH naming a checkout would shadow the installed wheel
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
     def where(code: str) -> str:
-        proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                              env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc.stdout.strip()
 
