@@ -34,12 +34,16 @@ from .device_order import Ops, RestoreOrder, cuda_ops, inline_ops, mark_engine, 
 log = logging.getLogger(__name__)
 _side: dict[Any, Any] = {}  # one save stream per CUDA device, shared by every layout on it
 _side_lock = threading.Lock()
-_local = threading.local()  # per restore thread: {device: stream}; the engine mark its load orders after
+_local = threading.local()  # per thread: {(device, role): stream}; the engine mark its load orders after
 #: chunks of one load queued on the device and not yet waited for (each may hold a staging slab)
 RESTORE_DEPTH = 2
 
 
-def _save_stream(device: torch.device) -> Any:
+def save_stream(device: torch.device) -> Any:
+    """The stream saves queue their gathers on: one per CUDA device, shared by every engine thread
+    and layout on it, for host-slab and GPU-direct saves alike (a CPU device's: the inline one)."""
+    if device.type != "cuda":
+        return inline_ops().current_stream(device)
     with _side_lock:
         s = _side.get(device)
         if s is None:
@@ -47,21 +51,37 @@ def _save_stream(device: torch.device) -> Any:
         return s
 
 
-def _ops_for(device: torch.device) -> Ops:
+def ops_for(device: torch.device) -> Ops:
+    """``torch.cuda``'s streams and events for a CUDA device; the inline stand-in otherwise."""
     return cuda_ops() if device.type == "cuda" else inline_ops()
 
 
-def _restore_stream(device: torch.device) -> Any:
-    """This thread's restore stream on ``device`` (a CPU device's: the inline one)."""
+def thread_stream(device: torch.device, role: str) -> Any:
+    """The calling thread's own stream on ``device`` for ``role`` ("restore", "writer"; created on
+    first use), so one thread's work never queues behind another's (a CPU device's: the inline one)."""
     if device.type != "cuda":
         return inline_ops().current_stream(device)
     streams = getattr(_local, "streams", None)
     if streams is None:
         streams = _local.streams = {}
-    s = streams.get(device)
+    s = streams.get((device, role))
     if s is None:
-        s = streams[device] = torch.cuda.Stream(device)
+        s = streams[(device, role)] = torch.cuda.Stream(device)
     return s
+
+
+# the names the save and restore paths look up at call time (tests put recording stand-ins there)
+def _save_stream(device: torch.device) -> Any:
+    return save_stream(device)
+
+
+def _ops_for(device: torch.device) -> Ops:
+    return ops_for(device)
+
+
+def _restore_stream(device: torch.device) -> Any:
+    """This thread's restore stream on ``device`` (a CPU device's: the inline one)."""
+    return thread_stream(device, "restore")
 
 
 def ids_on(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:

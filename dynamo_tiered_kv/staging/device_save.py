@@ -17,7 +17,8 @@ are queued by the writer thread, not the engine thread: they only read the slab,
 from the engine thread would put their host-side cost (and any synchronizing copy inside them) on
 the engine's critical path.
 
-Streams: one save stream per CUDA device (``save_stream``, shared by every engine thread on it)
+Streams: one save stream per CUDA device (``device_copy.save_stream``, shared by every engine thread
+and by host-slab saves)
 and one writer stream per writer thread and device (``writer_stream``), so one save's checksums
 never queue behind a later save's wait for its forward. All are PyTorch pool streams, which do
 not synchronize with the legacy default stream the engine's forward may run on.
@@ -28,50 +29,21 @@ CPU tensors (the stand-in CI runs) take ``inline_ops``: every step runs as it is
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from .device_copy import ids_on
-from .device_order import Ops, cuda_ops, inline_ops
+from .device_copy import ids_on, ops_for, save_stream, thread_stream
+from .device_order import Ops
 
 __all__ = ["device_guard", "finish", "host_buffer", "ids_on", "ops_for", "queue_gather", "save_stream",
            "writer_stream"]
 
-_save: dict[torch.device, Any] = {}  # one save stream per CUDA device
-_save_lock = threading.Lock()
-_local = threading.local()  # per writer thread: {device: stream}
-
-
-def ops_for(device: torch.device) -> Ops:
-    """``torch.cuda``'s streams and events for a CUDA device; the inline stand-in otherwise."""
-    return cuda_ops() if device.type == "cuda" else inline_ops()
-
-
-def save_stream(device: torch.device) -> Any:
-    """The stream engine threads queue GPU-direct gathers on (one per CUDA device)."""
-    if device.type != "cuda":
-        return inline_ops().current_stream(device)
-    with _save_lock:
-        s = _save.get(device)
-        if s is None:
-            s = _save[device] = torch.cuda.Stream(device)
-        return s
-
 
 def writer_stream(device: torch.device) -> Any:
     """The calling writer thread's stream on ``device`` (created on first use)."""
-    if device.type != "cuda":
-        return inline_ops().current_stream(device)
-    streams = getattr(_local, "streams", None)
-    if streams is None:
-        streams = _local.streams = {}
-    s = streams.get(device)
-    if s is None:
-        s = streams[device] = torch.cuda.Stream(device)
-    return s
+    return thread_stream(device, "writer")
 
 
 def device_guard(device: torch.device) -> contextlib.AbstractContextManager[Any]:
