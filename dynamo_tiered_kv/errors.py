@@ -75,6 +75,16 @@ class SourceStalled(TierUnavailable):
     counts the load as abandoned for a stall."""
 
 
+def stalled_read(e: BaseException | None) -> bool:
+    """Whether ``e``, or an error it was raised from (a retry layer wraps what it gives up on), is a
+    ``SourceStalled``."""
+    while e is not None:
+        if isinstance(e, SourceStalled):
+            return True
+        e = e.__cause__
+    return False
+
+
 class TierFull(TieredKVError):
     """The write would exceed the tier's capacity and nothing can be evicted."""
 

@@ -44,7 +44,7 @@ import numpy as np
 from ...blocks.codec import decode_blocks, decode_records, record_bytes, verify_is_compiled
 from ...blocks.keys import BlockKey
 from ...blocks.layout import EngineLayout
-from ...errors import SourceStalled
+from ...errors import stalled_read
 from ...policy.pacing import SLICE_BYTES, Pacer
 from ...staging.device_copy import RestoreSession
 from ...staging.device_slabs import DeviceSlab
@@ -563,7 +563,7 @@ class ChunkReader:
                     results = await tier.read_many([ReadRequest(keys[j], slot_view(slab, j * rb, rb))
                                                     for j in range(start, end)])
         except Exception as e:
-            rd.stalled = rd.stalled or _stalled(e)
+            rd.stalled = rd.stalled or stalled_read(e)
             self.metrics.errors.labels(tier.name, "read").inc()
             self.metrics.misses.labels(tier.name).inc(end - start)
             log.warning("read of %d blocks from tier %s failed: %s", end - start, tier.name, e)
@@ -590,12 +590,3 @@ def _split(start: int, end: int, rb: int, parallelism: int, min_piece: int | Non
     k = max(1, min(parallelism, n, n * rb // (min_piece or MIN_PIECE_BYTES)))
     bounds = [start + n * i // k for i in range(k + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(k)]
-
-
-def _stalled(e: BaseException | None) -> bool:
-    """Whether ``e`` or an error it was raised from is a tier giving a read up for silence."""
-    while e is not None:
-        if isinstance(e, SourceStalled):
-            return True
-        e = e.__cause__
-    return False
