@@ -64,9 +64,11 @@ class Ops(Protocol):
     def event(self) -> Any: ...
 
 
-def order_save(ops: Ops, device: Any, side: Any, *, upload_ids: Callable[[], None], gather: Callable[[], None],
-               download: Callable[[], None]) -> Any:
-    """Queue a save on ``side``; returns the event after which the host slab holds the payloads."""
+def order_gather(ops: Ops, device: Any, side: Any, *, upload_ids: Callable[[], None],
+                 gather: Callable[[], None]) -> Any:
+    """Queue ``gather`` (engine blocks -> a slab) on ``side`` after the work the engine queued so far
+    (the forward that wrote the blocks), and make later engine work wait for the gather only.
+    Returns the gather's event. Never blocks the host."""
     engine = ops.current_stream(device)
     fwd = ops.event()
     fwd.record(engine)  # everything the engine queued so far, i.e. the forward that wrote the blocks
@@ -76,10 +78,18 @@ def order_save(ops: Ops, device: Any, side: Any, *, upload_ids: Callable[[], Non
         gather()
         gathered = ops.event()
         gathered.record(side)
-        download()
+    engine.wait_event(gathered)  # a reused block is overwritten only after the gather read it
+    return gathered
+
+
+def order_save(ops: Ops, device: Any, side: Any, *, upload_ids: Callable[[], None], gather: Callable[[], None],
+               download: Callable[[], None]) -> Any:
+    """Queue a save on ``side``; returns the event after which the host slab holds the payloads."""
+    order_gather(ops, device, side, upload_ids=upload_ids, gather=gather)
+    with ops.use(side):
+        download()  # after the gather: same stream
         copied = ops.event()
         copied.record(side)
-    engine.wait_event(gathered)  # a reused block is overwritten only after the gather read it
     return copied
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .device_copy import ids_on, ops_for, save_stream, thread_stream
-from .device_order import Ops
+from .device_order import Ops, order_gather
 
 __all__ = ["device_guard", "finish", "host_buffer", "ids_on", "ops_for", "queue_gather", "save_stream",
            "writer_stream"]
@@ -59,20 +59,10 @@ def host_buffer(shape: Sequence[int], dtype: torch.dtype, device: torch.device) 
 
 def queue_gather(ops: Ops, device: Any, save: Any, *, upload_ids: Callable[[], None],
                  gather: Callable[[], None]) -> Any:
-    """Engine thread: queue ``gather`` (engine blocks -> slab) on ``save`` after the work the engine
-    queued so far (the forward that wrote the blocks); make later engine work wait for it. Returns
-    the gather's event. Never blocks the host."""
-    engine = ops.current_stream(device)
-    fwd = ops.event()
-    fwd.record(engine)
-    with ops.use(save):
-        upload_ids()  # independent of the forward: overlaps it
-        save.wait_event(fwd)
-        gather()
-        gathered = ops.event()
-        gathered.record(save)
-    engine.wait_event(gathered)  # a reused block is overwritten only after the gather read it
-    return gathered
+    """Engine thread: ``device_order.order_gather`` on the save stream ``save``: the gather (engine
+    blocks -> slab) after the forward that wrote the blocks; later engine work waits for it only.
+    Returns the gather's event. Never blocks the host."""
+    return order_gather(ops, device, save, upload_ids=upload_ids, gather=gather)
 
 
 def finish(ops: Ops, writer: Any, gathered: Any, *, checksum: Callable[[], None], headers: Callable[[], None],
