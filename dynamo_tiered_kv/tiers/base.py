@@ -167,6 +167,10 @@ class Tier(abc.ABC):
     slab_reads_now: bool = False
     #: whether ``read_split_now`` reads records straight into the caller's buffers (False: it returns None)
     split_reads_now: bool = False
+    #: whether loads into the caller's buffers read this tier with ``read_split`` on the store's
+    #: loop (a tier whose reads are requests that can be cancelled: the object tier); False and
+    #: no ``split_reads_now``: such loads leave this tier's records to staging
+    split_reads: bool = False
 
     #: state the tier owns, set through ``configure_retention`` / ``set_residency_hook``
     _retention: RetentionClasses | None = None
@@ -257,6 +261,34 @@ class Tier(abc.ABC):
         unspecified bytes). Nothing is verified here. None: the tier has no such path
         (``split_reads_now`` is False)."""
         return None
+
+    async def read_split(self, keys: Sequence[BlockKey], parts: Sequence[Sequence[np.ndarray]],
+                         record_bytes: int) -> list[int | None]:
+        """``read_split_now``'s contract as a coroutine: whole records ``keys[i]`` laid, in order,
+        over the caller's buffers ``parts[i]``; per record ``record_bytes`` or None. Nothing is
+        verified. Cancelling it returns only once nothing writes into ``parts`` any more (as
+        ``read_many``). The default reads every part as a byte range of its record in one
+        ``read_many``, so a tier that merges adjacent ranges into one request (the object tier:
+        one ranged GET per run of records in one object) reads a run of records with one request
+        straight into the parts."""
+        reqs: list[ReadRequest] = []
+        owners: list[int] = []
+        for i, (k, own) in enumerate(zip(keys, parts, strict=True)):
+            if sum(p.nbytes for p in own) != record_bytes:
+                raise ValueError(f"the parts of record {i} hold {sum(p.nbytes for p in own)} bytes, not {record_bytes}")
+            if self.size_of(k) != record_bytes:
+                continue
+            at = 0
+            for p in own:
+                reqs.append(ReadRequest(k, memoryview(p.reshape(-1).view(np.uint8)), ByteRange(at, p.nbytes)))
+                owners.append(i)
+                at += p.nbytes
+        got = await self.read_many(reqs) if reqs else []
+        done = [0] * len(keys)
+        for i, (r, n) in enumerate(zip(reqs, got)):
+            if n == r.into.nbytes:
+                done[owners[i]] += n
+        return [record_bytes if d == record_bytes else None for d in done]
 
     def pin_records(self, keys: Sequence[BlockKey],
                     spill: Callable[[int], np.ndarray]) -> tuple[list[np.ndarray], RecordPin]:

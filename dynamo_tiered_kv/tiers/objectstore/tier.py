@@ -116,6 +116,10 @@ class ObjectTier(ObjectWrites, Tier):
     load_chunk_bytes: int | None = 64 << 20
     read_piece_bytes: int | None = 64 << 20
 
+    #: loads into the caller's buffers (an engine's rows) read runs of records with ``read_split``:
+    #: one ranged GET per run, its body scattered straight into the rows; cancellable at a deadline
+    split_reads = True
+
     def __init__(self, backend: ObjectBackend, *, capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
                  ttl_s: float | None = DEFAULT_TTL_S, verify_reads: bool = True, read_timeout_s: float = 30.0,
                  max_concurrency: int = 8, refresh_interval_s: float | None = None, origin: str = "",
