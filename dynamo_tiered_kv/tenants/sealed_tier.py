@@ -103,7 +103,6 @@ class SealedTier(Tier):
         self.capabilities = inner.capabilities
         self.read_parallelism = inner.read_parallelism
         self.max_concurrency = inner.max_concurrency
-        self.read_piece_bytes = inner.read_piece_bytes
         self.frugal_piece_bytes = inner.frugal_piece_bytes
         self.load_chunk_bytes = inner.load_chunk_bytes
         self.slab_reads_now = inner.slab_reads_now
@@ -111,6 +110,11 @@ class SealedTier(Tier):
         self._seal_slots: asyncio.Semaphore | None = None  # SEAL_AHEAD; made on the loop, at first use
         self.open_failures = 0  # records that did not open (a miss each)
         self.seal_failures = 0  # records not written because their tenant had no key
+
+    @property
+    def read_piece_bytes(self) -> int | None:  # type: ignore[override]
+        """The inner tier's, as it is now (the object tier's follows its bucket)."""
+        return self.inner.read_piece_bytes
 
     @property
     def cipher(self) -> RecordCipher:

@@ -70,6 +70,7 @@ from .layout import SNAPSHOT_NAME, NamespaceView, manifest_after, ns_prefix
 from .manifest import MANIFEST_DIR, Manifest, ManifestError
 from .quarantine import new_marker, record_fails, write_marker
 from .retry import DeadlineReached, detach_deadline, shared_deadline, with_timeout
+from .sizing import window_piece_bytes
 from .snapshot import SnapshotError
 from .snapshot import decode as decode_snapshot
 from .snapshot import encode as encode_snapshot
@@ -109,12 +110,26 @@ class ObjectTier(ObjectWrites, Tier):
 
     name = "object"
     capabilities = TierCapabilities(medium="object", durable=True, shared=True)
-    #: a restore from this tier reads chunks of up to a staging slab (no small first chunk) and
-    #: each run of a chunk with one ranged GET: on HDD-backed S3 a request's latency outweighs the
-    #: overlap smaller reads buy, and the chunks read ahead (``load_depth``) keep several GETs in
-    #: flight. 8 MiB chunks in 4 MiB pieces cost 13 GETs per 64 MiB prefix (`dtkv bench tiering`).
+    #: a restore from this tier reads chunks of up to a staging slab (no small first chunk): 8 MiB
+    #: chunks in 4 MiB pieces cost 13 GETs per 64 MiB prefix (`dtkv bench tiering`). The chunk
+    #: does not follow the bucket: it holds a staging slab and is the unit read ahead
+    #: (``load_depth``); how many GETs read it is the piece's business (``read_piece_bytes``).
     load_chunk_bytes: int | None = 64 << 20
-    read_piece_bytes: int | None = 64 << 20
+    _piece_pin: int | None = None  # ``read_piece_bytes`` set by hand (tools, tests); None: sized
+
+    @property
+    def read_piece_bytes(self) -> int | None:
+        """Smallest ranged GET a run of a restore's chunk is cut into: sized from the root
+        backend's recent GETs so their first-byte latency is at most a tenth of each
+        (``sizing.window_piece_bytes``: 8-64 MiB; 64 MiB until the window fills, or on a backend
+        that keeps none). A value set on the tier replaces it (None: sized again). Any thread."""
+        if self._piece_pin is not None:
+            return self._piece_pin
+        return window_piece_bytes(getattr(self.root_backend, "latency", None))
+
+    @read_piece_bytes.setter
+    def read_piece_bytes(self, value: int | None) -> None:
+        self._piece_pin = value
 
     #: loads into the caller's buffers (an engine's rows) read runs of records with ``read_split``:
     #: one ranged GET per run, its body scattered straight into the rows; cancellable at a deadline
