@@ -22,7 +22,7 @@ from dynamo_tiered_kv.blocks.layout import EngineLayout, EngineLayoutKind, alloc
 from dynamo_tiered_kv.config import TieredKVConfig
 from dynamo_tiered_kv.factory import build_store
 from dynamo_tiered_kv.store import TieredStore
-from dynamo_tiered_kv.store.reads.pipeline import BUDGET_FLOOR_S
+from dynamo_tiered_kv.store.reads.budget import BUDGET_FLOOR_S
 from dynamo_tiered_kv.tiers.objectstore import S3Backend
 from dynamo_tiered_kv.tiers.objectstore.latency import MIN_SAMPLES
 

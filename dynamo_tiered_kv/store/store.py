@@ -192,7 +192,7 @@ class TieredStore:
         self._reader = ChunkReader(self._state, staging, self._writer, admission, write_depth=write_depth,
                                    ns_digest=namespace.digest, load_chunk_bytes=load_chunk_bytes,
                                    load_first_chunk_bytes=load_first_chunk_bytes, load_depth=load_depth)
-        self._into = BufferLoader(self._state, namespace.digest)
+        self._into = BufferLoader(self._state, namespace.digest, lambda: self._reader.recompute_tokens_per_s)
         self._retention = RetentionService(self._state, staging, self._writer.write_tier, max_share=retain_max_share,
                                            clock=clock, sweep_interval_s=sweep_interval_s,
                                            expire_interval_s=expire_interval_s, expire_pass_bytes=EXPIRE_PASS_BYTES)

@@ -314,6 +314,35 @@ class TierConformanceTests:
             n2 = await tier.read_into(items[1][0], memoryview(b2), rng)
             assert n1 == n2 == length and bytes(b1) == bytes(b2) == items[1][1][start:start + length]
 
+    async def test_split_reads_lay_each_record_over_its_parts(self, tier: Tier) -> None:
+        """``read_split`` (and ``read_split_now`` where ``split_reads_now``) lays each whole record,
+        in order, over the caller's parts; an absent key or another length is None."""
+        await _ready(tier)
+        items = [_rec(620 + i) for i in range(4)]
+        odd_key, odd = _rec(630, size_class=2)
+        await tier.write_many([(k, memoryview(v)) for k, v in items] + [(odd_key, memoryview(odd))])
+        rb = len(items[0][1])
+        keys = [k for k, _ in items[:2]] + [random_key(654_322), odd_key, *[k for k, _ in items[2:]]]
+        cuts = (64, rb - 64 - 100)  # a header-sized part, the payload, a tail
+
+        def parts() -> list[list[np.ndarray]]:
+            return [[np.zeros(cuts[0], np.uint8), np.zeros(cuts[1], np.uint8), np.zeros(rb - sum(cuts), np.uint8)]
+                    for _ in keys]
+
+        want = [v for _, v in items[:2]] + [None, None] + [v for _, v in items[2:]]
+        for now in (False, True):
+            if now and not tier.split_reads_now:
+                assert tier.read_split_now(keys, parts(), rb) is None
+                continue
+            ps = parts()
+            got = tier.read_split_now(keys, ps, rb) if now else await tier.read_split(keys, ps, rb)
+            assert got == [None if w is None else rb for w in want]
+            for w, own in zip(want, ps):
+                if w is not None:
+                    assert b"".join(p.tobytes() for p in own) == w
+        with pytest.raises(ValueError):
+            await tier.read_split(keys[:1], [[np.zeros(rb - 1, np.uint8)]], rb)
+
     async def test_records_read_in_place_match_the_stored_bytes(self, tier: Tier) -> None:
         """Where ``reads_in_place``, ``pin_records`` shows the leading present records' bytes (a copy
         only through ``spill``); elsewhere it refuses."""

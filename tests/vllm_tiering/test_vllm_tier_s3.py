@@ -75,3 +75,29 @@ def test_another_node_restores_what_this_node_flushed(tmp_path: Path, s3: dict[s
         assert all(np.array_equal(b.read(k), payload(k)) for k in ks)
     finally:
         b.stop()
+
+
+def test_object_chunks_load_straight_into_vllms_rows(s3: dict[str, object]) -> None:
+    """A load from S3 receives each GET's body straight into vLLM's rows (no staging slab and
+    scatter copy) and verifies the chunks there."""
+    ks = keys(6)
+    first = Engine.start(s3)
+    first.store(ks)
+    first.stop()
+    again = Engine.start(s3)
+    try:
+        _wait_index(again)
+        pool = again.tier.store.staging
+        real, taken = pool.try_acquire, [0]
+
+        def counting(timeout: float | None = 0.0):  # type: ignore[no-untyped-def]
+            taken[0] += 1
+            return real(timeout)
+
+        pool.try_acquire = counting  # type: ignore[method-assign]
+        assert again.lookup(ks) == [HIT] * 6
+        assert taken[0] == 0
+        assert all(np.array_equal(again.read(k), payload(k)) for k in ks)
+        assert again.tier.store.metrics.value("tier_hits", tier="object") == 6
+    finally:
+        again.stop()

@@ -305,13 +305,15 @@ class DynamoTieredKVTier(SecondaryTierManager):
     def _restore(self, ids: list[int], bks: list[BlockKey], deadline: float) -> int:
         """Restore chunks into rows ``ids`` by ``deadline``; how many leading ones were restored.
 
-        Chunks of tiers that read into the caller's buffers (the SSD) are read straight into their
-        rows and verified there; the rest (S3, or all of them while ``_staged_until`` holds)
-        through staging slabs, verified there and then copied into the rows. A row whose chunk
-        failed holds unspecified bytes; vLLM is told it failed and recomputes it. A direct load
-        waits for a read still in flight at its deadline (it writes into vLLM's row, which must
-        not be handed back before it lands); after one did, loads are staged for
-        ``STAGED_AFTER_LATE_S``, since staged reads can be abandoned at the deadline."""
+        Chunks of tiers that read into the caller's buffers (the SSD; S3, whose GET bodies are
+        received into the rows) are read straight into their rows and verified there; the rest
+        (host memory, encrypted records, or all of them while ``_staged_until`` holds) through
+        staging slabs, verified there and then copied into the rows. A row whose chunk failed
+        holds unspecified bytes; vLLM is told it failed and recomputes it. A direct load waits for
+        a blocking SSD read still in flight at its deadline (it writes into vLLM's row, which must
+        not be handed back before it lands; S3 GETs are cancelled instead); after one did, loads
+        are staged for ``STAGED_AFTER_LATE_S``, since staged reads can be abandoned at the
+        deadline."""
         rows = self._rows
         n = 0
         now = time.monotonic()

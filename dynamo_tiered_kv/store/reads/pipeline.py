@@ -22,11 +22,8 @@ scattered on the calling thread, several chunks in flight.
 * If the caller stops waiting (timeout, an earlier chunk failed), the reader frees the slab when
   its I/O returns, so no tier ever writes into a slab that was handed out again (failure rule 6).
 * With ``recompute_tokens_per_s`` set, a restore never waits on the object tier longer than
-  recomputing would take: its object-tier reads run under a ``ReadBudget`` of the tokens from the
-  first block that tier serves to the end at that rate (at least ``BUDGET_FLOOR_S``; the load's
-  timeout if sooner). The tier gives up by then, or at once when it expects its GETs to take
-  longer; the engine recomputes those blocks. ``dtkv_restores_abandoned_total{reason}`` counts
-  loads cut short: ``estimate`` (nothing sent), ``budget`` (ran out), ``deadline`` (the timeout).
+  recomputing would take (``budget.py``). The tier gives up by then, or at once when it expects
+  its GETs to take longer; the engine recomputes those blocks.
 """
 
 from __future__ import annotations
@@ -50,6 +47,7 @@ from ...staging.device_copy import RestoreSession
 from ...staging.device_slabs import DeviceSlab
 from ...staging.slabs import Slab, StagingPool
 from ...tiers.base import ReadBudget, ReadRequest, Tier, read_budget
+from .budget import abandon_reason, restore_budget
 from .chunk import ChunkRead, Handoff, slot_view
 from .direct import DirectReader, first_part
 from .fanout import fan_out
@@ -68,8 +66,6 @@ MIN_PIECE_BYTES = 4 << 20  # smaller concurrent reads cost more per request than
 #: three chunks through the loop spent more in hand-offs between chunks than verify+scatter
 #: overlapping the reads saved (docs/BENCHMARKS.md, "Restore fixed costs")
 LOAD_DIRECT_BYTES = 16 << 20
-#: shortest object-tier budget of a restore: below it a GET's own latency would decide
-BUDGET_FLOOR_S = 0.2
 
 
 class _ChunkDecoder:
@@ -393,38 +389,15 @@ class ChunkReader:
 
     def _budget(self, layout: EngineLayout, keys: Sequence[BlockKey],
                 deadline: float | None) -> tuple[ReadBudget | None, bool]:
-        """(the load's bound on its object-tier reads, whether recomputing rather than the load's
-        deadline sets it); (None, False) when ``recompute_tokens_per_s`` is off or no block comes
-        from an object tier."""
-        rate = self.recompute_tokens_per_s
-        if not rate:
-            return None, False
-        tiers, fastest = self.tiers, self._state.fastest
-        first = next((j for j, k in enumerate(keys)
-                      if (ti := fastest(k)) is not None and tiers[ti].capabilities.medium == "object"), None)
-        if first is None:
-            return None, False
-        # failing at block ``first`` makes the engine recompute it and every block after it
-        end = time.monotonic() + max(BUDGET_FLOOR_S, (len(keys) - first) * layout.shape.block_size / rate)
-        if deadline is not None and deadline <= end:
-            return ReadBudget(deadline), False
-        return ReadBudget(end), True
+        return restore_budget(self.recompute_tokens_per_s, self.tiers, self._state.fastest,
+                              layout.shape.block_size, keys, deadline)
 
     def _count_abandoned(self, budget: ReadBudget | None, binding: bool, deadline: float | None,
                          stalled: bool = False) -> None:
         """Count a load cut short by time, once, by why (``dtkv_restores_abandoned_total``)."""
-        gave_up = None if budget is None else budget.gave_up
-        if gave_up == "estimate":
-            reason = "estimate"
-        elif gave_up is not None:
-            reason = "budget" if binding else "deadline"
-        elif deadline is not None and time.monotonic() >= deadline:
-            reason = "deadline"
-        elif stalled:
-            reason = "stall"
-        else:
-            return  # a miss or a record that failed verification: not a matter of time
-        self.metrics.restores_abandoned.labels(reason).inc()
+        reason = abandon_reason(budget, binding, deadline, stalled)
+        if reason is not None:
+            self.metrics.restores_abandoned.labels(reason).inc()
 
     # --- loop side -----------------------------------------------------------------------------
     def _start_read(self, slab: Slab | DeviceSlab, rb: int, start: int, end: int,
