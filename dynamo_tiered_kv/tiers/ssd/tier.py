@@ -224,6 +224,7 @@ class SSDTier(Tier):
         if st.opened:
             await self._on_writer(self._lifecycle.close)
         self._writer.shutdown(wait=True)
+        self._appender.close()
         st.gpu.release()
         if st.disabled_reason is not None:
             metrics.DISABLED.dec()
