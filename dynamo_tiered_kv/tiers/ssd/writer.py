@@ -3,10 +3,9 @@
 ``SegmentWriter.append`` packs a batch into as few segments as it can: a run that fits the open
 segment lands there back to back (one ``pwritev``/NIXL request, or for a run of 16 MiB and more
 up to four concurrent ones over 4 KiB-aligned parts of it, ``parallel_write.py``; then one
-``fdatasync`` with ``fsync``); a run that would straddle a boundary while fitting a fresh
-segment seals the open one first, so it stays contiguous; a record larger than a segment gets
-one of its own. Room is made first (``Evictor.make_room``); only once the bytes are durable does
-the index expose the keys.
+``fdatasync`` with ``fsync``); a run that would straddle a boundary while fitting a fresh segment seals the open one
+first, so it stays contiguous; a record larger than a segment gets one of its own. Room is made
+first (``Evictor.make_room``); only once the bytes are durable does the index expose the keys.
 An overwrite leaves a tombstone on the old location, whose bytes the reclaimer frees later.
 
 Tenants: each record's tenant (its header's tenant field) goes into the index with it. With
