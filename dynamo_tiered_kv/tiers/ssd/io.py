@@ -2,8 +2,7 @@
 
 Every backend reads and writes *extents*: a run of caller buffers that maps to one contiguous
 byte range of a file, issued as one request (one ``pwritev``/``preadv`` or one NIXL descriptor
-list), never a loop per block. (The append path writes a large run as a few such extents at
-once: ``parallel_write.py``.)
+list), never a loop per block.
 
 * ``NixlIO``   NIXL's POSIX backend (io_uring) on O_DIRECT file descriptors for writes. Page-aligned
   caller buffers go straight to the device; DRAM registration is per transfer (about 7 us here).

@@ -224,7 +224,6 @@ class SSDTier(Tier):
         if st.opened:
             await self._on_writer(self._lifecycle.close)
         self._writer.shutdown(wait=True)
-        self._appender.close()
         st.gpu.release()
         if st.disabled_reason is not None:
             metrics.DISABLED.dec()

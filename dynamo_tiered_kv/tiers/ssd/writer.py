@@ -1,9 +1,8 @@
-"""The SSD tier's append path: a run of records into the open segment with one write.
+"""The SSD tier's append path: a run of records into the open segment with one I/O request.
 
 ``SegmentWriter.append`` packs a batch into as few segments as it can: a run that fits the open
-segment lands there back to back (one ``pwritev``/NIXL request, or for a run of 16 MiB and more
-up to four concurrent ones over 4 KiB-aligned parts of it, ``parallel_write.py``; then one
-``fdatasync`` with ``fsync``); a run that would straddle a boundary while fitting a fresh segment seals the open one
+segment lands there back to back (one ``pwritev``/NIXL request, one ``fdatasync`` with
+``fsync``); a run that would straddle a boundary while fitting a fresh segment seals the open one
 first, so it stays contiguous; a record larger than a segment gets one of its own. Room is made
 first (``Evictor.make_room``); only once the bytes are durable does the index expose the keys.
 An overwrite leaves a tombstone on the old location, whose bytes the reclaimer frees later.
@@ -36,8 +35,7 @@ from ...errors import PartialWrite, TierFull, TierUnavailable
 from . import metrics
 from .eviction import Evictor
 from .gds import DeviceIO, DeviceSpan
-from .io import as_u8
-from .parallel_write import ParallelWriter
+from .io import as_u8, write_extent
 from .reclaim import Reclaimer
 from .recovery import fsync_dir
 from .sealing import Sealer
@@ -86,8 +84,7 @@ class SegmentWriter:
 
     Built by ``SSDTier`` with the shared ``SegmentLogState`` and the parts an append calls: the
     ``Sealer`` (full segments, a pending seal), the ``Evictor`` (room; retained keys' arrivals),
-    the ``TombstoneLog`` and ``Reclaimer`` (superseded locations). Threads: the writer thread only
-    (plus the ``ParallelWriter``'s pool, which runs sub-writes of the run being appended).
+    the ``TombstoneLog`` and ``Reclaimer`` (superseded locations). Threads: the writer thread only.
     """
 
     def __init__(self, state: SegmentLogState, sealer: Sealer, evictor: Evictor, tombstones: TombstoneLog,
@@ -97,11 +94,6 @@ class SegmentWriter:
         self._evictor = evictor
         self._tombstones = tombstones
         self._reclaimer = reclaimer
-        self._parallel = ParallelWriter()
-
-    def close(self) -> None:
-        """Stop the sub-write threads (the tier is closing; no append is in progress)."""
-        self._parallel.close()
 
     def append(self, items: list[Item]) -> None:
         """Store ``items`` in order (``SSDTier.write_many`` states the errors)."""
@@ -207,10 +199,7 @@ class SegmentWriter:
             if isinstance(run[0][1], DeviceSpan):
                 self._device_write(seg, offset, [v for _, v in run])  # type: ignore[misc]
             else:
-                # returns or raises only once every sub-write has stopped: the truncate in
-                # write_failed cannot be overtaken by a late sub-write
-                self._parallel.write_extent(st.io, seg.fd, offset, [v for _, v in run],  # type: ignore[misc]
-                                            st.write_bounce())
+                write_extent(st.io, seg.fd, offset, [v for _, v in run], st.write_bounce())  # type: ignore[misc]
             if st.fsync:
                 st.io.sync(seg.fd)
         except OSError as e:
