@@ -12,6 +12,7 @@ s3) behind a real TCP proxy.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass
 
@@ -25,8 +26,10 @@ from dynamo_tiered_kv.blocks.codec import header_bytes, record_bytes
 from dynamo_tiered_kv.blocks.keys import BlockKey, Namespace, chain_keys, parents_of
 from dynamo_tiered_kv.blocks.layout import EngineLayout, EngineLayoutKind
 from dynamo_tiered_kv.config import TieredKVConfig
+from dynamo_tiered_kv.errors import TierUnavailable
 from dynamo_tiered_kv.factory import build_store
 from dynamo_tiered_kv.store import TieredStore
+from dynamo_tiered_kv.store.reads.into_buffers import LoopRead
 from dynamo_tiered_kv.tiers.objectstore import ObjectTier, S3Backend
 from dynamo_tiered_kv.tiers.objectstore.latency import MIN_SAMPLES
 
@@ -171,3 +174,49 @@ async def test_gets_slower_than_recomputing_are_a_miss_at_once_without_a_get(ser
     finally:
         proxy.set_mode("pass")
         await asyncio.to_thread(rig.store.close)
+
+
+def _running_loop() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    return loop, thread
+
+
+def test_a_read_cancelled_before_it_started_is_done_at_once() -> None:
+    """Cancelled before the loop ran its first step, the coroutine never runs; ``wait`` still
+    returns (a task's done callback runs for such a cancel too)."""
+    loop, thread = _running_loop()
+    ran = threading.Event()
+    try:
+        gate = threading.Event()
+        loop.call_soon_threadsafe(gate.wait, 5)  # the loop is busy: the read cannot start yet
+
+        async def read() -> list[int | None]:
+            ran.set()
+            return [1]
+
+        lr = LoopRead(loop, read())
+        lr.cancel()
+        gate.set()
+        assert lr.wait() is None
+        assert not ran.is_set()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+def test_a_read_whose_loop_stops_gives_up_instead_of_hanging() -> None:
+    loop, thread = _running_loop()
+
+    async def never() -> list[int | None]:
+        await asyncio.Event().wait()
+        return []
+
+    lr = LoopRead(loop, never())
+    time.sleep(0.1)
+    loop.call_soon_threadsafe(loop.stop)  # as the store's close does
+    thread.join(5)
+    with pytest.raises(TierUnavailable):
+        lr.wait()

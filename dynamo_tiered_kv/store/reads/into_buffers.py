@@ -58,6 +58,7 @@ from ...errors import (
     NamespaceMismatch,
     RecordError,
     RecordSealed,
+    TierUnavailable,
     stalled_read,
 )
 from ...tiers.base import ReadBudget, Tier, read_budget
@@ -75,6 +76,8 @@ PIECE_BYTES = 8 << 20
 PIECES_IN_FLIGHT = 4
 #: helper threads shared by all such loads of the process
 HELPER_THREADS = 8
+#: how often a helper waiting for a read on the store's loop checks that the loop still runs
+LOOP_CHECK_S = 0.5
 
 
 @dataclass
@@ -150,8 +153,12 @@ class LoopRead:
             self._loop.call_soon_threadsafe(cancel_on_loop)
 
     def wait(self) -> list[int | None] | None:
-        """The read's result once it stopped (None: cancelled); raises what the read raised."""
-        self._done.wait()
+        """The read's result once it stopped (None: cancelled); raises what the read raised, or
+        ``TierUnavailable`` if the loop stopped first (the store closed: a stopped loop receives
+        nothing more, so nothing writes into the buffers any more either)."""
+        while not self._done.wait(LOOP_CHECK_S):
+            if not self._loop.is_running():
+                raise TierUnavailable("the store's loop stopped during a read into the caller's buffers")
         if self.error is not None:
             raise self.error
         return self.result
