@@ -196,7 +196,7 @@ class BufferLoader:
         pieces, in_flight = self._plan(shape, keys)
         res.planned = pieces[-1].end if pieces else 0
         budget, binding = restore_budget(self._recompute_rate(), self._state.tiers, self._state.fastest,
-                                         shape.block_size, keys[:res.planned], deadline)
+                                         shape.block_size, keys, deadline)
         stop = threading.Event()
         pool = helper_pool("dtkv-intobuf", HELPER_THREADS)
         started = 0
