@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 from infra.faultproxy import FaultProxy
-from infra.s3util import S3Server, unique_bucket
+from infra.s3util import S3Server, proxied_store_settings, unique_bucket
 
 from dynamo_tiered_kv.blocks.keys import Namespace, chain_keys, parents_of
 from dynamo_tiered_kv.blocks.layout import EngineLayout, EngineLayoutKind, allocate_engine_kv
@@ -55,15 +55,8 @@ def _layout() -> EngineLayout:
 async def _stored(server: S3Server, proxy: FaultProxy, direct: bool) -> tuple[TieredStore, EngineLayout, list]:
     """A store with default settings whose only tier is the bucket behind ``proxy``, holding one
     prefix, restored MIN_SAMPLES times while the bucket answers (a warm latency window: hedges on)."""
-    bucket = unique_bucket("stall")
-    maker = S3Backend(bucket, **server.backend_kwargs())
-    await maker.open()  # the bucket, made without the proxy
-    await maker.close()
-    cfg = TieredKVConfig.from_mapping({
-        "host_capacity_bytes": 0, "object_url": f"s3://{bucket}/kv", "object_refresh_s": None,
-        "s3_endpoint_url": proxy.endpoint, "s3_access_key": server.access_key, "s3_secret_key": server.secret_key,
-        "s3_direct_reads": direct, "staging_slab_bytes": 1 << 20, "staging_slabs": 4,
-        "expire_interval_s": 0})  # no background pass talks to the bucket during a fault
+    cfg = TieredKVConfig.from_mapping(await proxied_store_settings(server, proxy.endpoint, "stall",
+                                                                   s3_direct_reads=direct))
     store = await asyncio.to_thread(build_store, cfg, NS)  # its loop talks to the proxy on ours
     (tier,) = store.tiers
     assert await asyncio.to_thread(store._call, tier.wait_ready(30), 40)

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from infra.s3util import count_slab_takes
 
 from dynamo_tiered_kv.blocks.codec import header_bytes, record_bytes
 from dynamo_tiered_kv.blocks.keys import ROOT_KEY, BlockKey, Namespace, chain_keys
@@ -34,16 +35,7 @@ class Rig:
 
     def acquisitions(self) -> list[int]:
         """Counts every staging slab taken from now on (the count is element 0)."""
-        seen = [0]
-        pool = self.store.staging
-        real = pool.try_acquire
-
-        def counting(timeout: float | None = 0.0):  # type: ignore[no-untyped-def]
-            seen[0] += 1
-            return real(timeout)
-
-        pool.try_acquire = counting  # type: ignore[method-assign]
-        return seen
+        return count_slab_takes(self.store.staging)
 
 
 def _rig(tmp_path: Path, row: int, host: bool = False) -> Iterator[Rig]:

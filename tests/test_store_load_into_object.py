@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from infra.faultproxy import FaultProxy
-from infra.s3util import S3Server, unique_bucket
+from infra.s3util import S3Server, count_slab_takes, proxied_store_settings
 
 from dynamo_tiered_kv.blocks.codec import header_bytes, record_bytes
 from dynamo_tiered_kv.blocks.keys import BlockKey, Namespace, chain_keys, parents_of
@@ -30,7 +30,7 @@ from dynamo_tiered_kv.errors import TierUnavailable
 from dynamo_tiered_kv.factory import build_store
 from dynamo_tiered_kv.store import TieredStore
 from dynamo_tiered_kv.store.reads.into_buffers import LoopRead
-from dynamo_tiered_kv.tiers.objectstore import ObjectTier, S3Backend
+from dynamo_tiered_kv.tiers.objectstore import ObjectTier
 from dynamo_tiered_kv.tiers.objectstore.latency import MIN_SAMPLES
 
 pytest_plugins = ["infra.fixtures_s3"]
@@ -53,30 +53,11 @@ class Rig:
     def load_into(self, timeout: float) -> object:
         return self.store.load_into(self.layout.shape, list(self.rows), self.keys, timeout=timeout)
 
-    def count_slabs(self) -> list[int]:
-        """Counts every staging slab taken from now on (element 0)."""
-        pool, seen = self.store.staging, [0]
-        real = pool.try_acquire
-
-        def counting(timeout: float | None = 0.0):  # type: ignore[no-untyped-def]
-            seen[0] += 1
-            return real(timeout)
-
-        pool.try_acquire = counting  # type: ignore[method-assign]
-        return seen
-
 
 async def _rig(server: S3Server, proxy: FaultProxy, tokens_per_s: float | None = None) -> Rig:
     """A store whose only tier is the bucket behind ``proxy``, holding N one-token blocks."""
-    bucket = unique_bucket("into")
-    maker = S3Backend(bucket, **server.backend_kwargs())
-    await maker.open()  # the bucket, made without the proxy
-    await maker.close()
-    cfg = TieredKVConfig.from_mapping({
-        "host_capacity_bytes": 0, "object_url": f"s3://{bucket}/kv", "object_refresh_s": None,
-        "s3_endpoint_url": proxy.endpoint, "s3_access_key": server.access_key, "s3_secret_key": server.secret_key,
-        "staging_slab_bytes": 1 << 20, "staging_slabs": 4, "recompute_tokens_per_s": tokens_per_s,
-        "expire_interval_s": 0})
+    cfg = TieredKVConfig.from_mapping(await proxied_store_settings(server, proxy.endpoint, "into",
+                                                                   recompute_tokens_per_s=tokens_per_s))
     store = await asyncio.to_thread(build_store, cfg, NS)
     (tier,) = store.tiers
     assert isinstance(tier, ObjectTier) and tier.split_reads
@@ -96,7 +77,7 @@ async def test_a_run_of_records_is_one_get_straight_into_the_callers_buffers(ser
                                                                              proxy: FaultProxy) -> None:
     rig = await _rig(server, proxy)
     try:
-        taken = rig.count_slabs()
+        taken = count_slab_takes(rig.store.staging)
         gets = rig.tier.root_backend.stats.gets
         res = await asyncio.to_thread(rig.load_into, 30)
         assert (res.restored, res.planned) == (N, N)

@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+from infra.s3util import count_slab_takes
 from tiering_engine import Engine, keys, payload
 from vllm.v1.kv_offload.base import LookupResult
 
@@ -20,15 +21,7 @@ def ssd(tmp_path: Path) -> dict[str, object]:
 
 def count_staging_slabs(eng: Engine) -> list[int]:
     """Counts every staging slab our store takes from now on (element 0)."""
-    pool = eng.tier.store.staging
-    real, seen = pool.try_acquire, [0]
-
-    def counting(timeout: float | None = 0.0):  # type: ignore[no-untyped-def]
-        seen[0] += 1
-        return real(timeout)
-
-    pool.try_acquire = counting  # type: ignore[method-assign]
-    return seen
+    return count_slab_takes(eng.tier.store.staging)
 
 
 def _stored(tmp_path: Path, n: int) -> list:

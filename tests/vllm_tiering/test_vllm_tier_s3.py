@@ -9,7 +9,7 @@ from pathlib import Path
 import boto3
 import numpy as np
 import pytest
-from infra.s3util import S3Server, unique_bucket
+from infra.s3util import S3Server, count_slab_takes, unique_bucket
 from tiering_engine import Engine, keys, payload
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -87,14 +87,7 @@ def test_object_chunks_load_straight_into_vllms_rows(s3: dict[str, object]) -> N
     again = Engine.start(s3)
     try:
         _wait_index(again)
-        pool = again.tier.store.staging
-        real, taken = pool.try_acquire, [0]
-
-        def counting(timeout: float | None = 0.0):  # type: ignore[no-untyped-def]
-            taken[0] += 1
-            return real(timeout)
-
-        pool.try_acquire = counting  # type: ignore[method-assign]
+        taken = count_slab_takes(again.tier.store.staging)
         assert again.lookup(ks) == [HIT] * 6
         assert taken[0] == 0
         assert all(np.array_equal(again.read(k), payload(k)) for k in ks)
