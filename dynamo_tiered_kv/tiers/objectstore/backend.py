@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .latency import GetLatency
+
 
 @dataclass(frozen=True, slots=True)
 class ObjectInfo:
@@ -71,6 +73,9 @@ class ObjectBackend(abc.ABC):
 
     #: printable location without secrets, e.g. ``s3://bucket/prefix`` or ``file:///dir``
     url: str
+    #: how the backend's recent ranged GETs answered (first byte, throughput), written on its loop;
+    #: None for a backend that keeps no such window (a local directory). The tier sizes GETs by it.
+    latency: GetLatency | None = None
 
     def __init__(self) -> None:
         self.stats = BackendStats()

@@ -185,7 +185,7 @@ class S3Backend(ObjectBackend):
         self.read_timeout_s = read_timeout_s
         self.body_idle_timeout_s = body_idle_timeout_s
         self.first_byte_timeout_s = first_byte_timeout_s
-        self.latency = GetLatency()  # the backend's loop only
+        self.latency: GetLatency = GetLatency()  # the backend's loop only
         self.hedger = Hedger(self.latency, self.stats, max_in_flight=read_concurrency // HEDGE_SHARE,
                              first_byte_timeout_s=first_byte_timeout_s, enabled=hedge_reads)
         self.retry = retry or RetryPolicy()

@@ -125,7 +125,7 @@ class ObjectTier(ObjectWrites, Tier):
         that keeps none). A value set on the tier replaces it (None: sized again). Any thread."""
         if self._piece_pin is not None:
             return self._piece_pin
-        return window_piece_bytes(getattr(self.root_backend, "latency", None))
+        return window_piece_bytes(self.root_backend.latency)
 
     @read_piece_bytes.setter
     def read_piece_bytes(self, value: int | None) -> None:
